@@ -1,0 +1,85 @@
+"""The memory ledger: every allocation and free, replayed in issue order, with its checks inside.
+
+Issue order is what PyTorch's caching allocator counts (`torch.cuda.max_memory_allocated`,
+FSDPMemTracker): a free made on the CPU returns the bytes at once; FSDP2 keeps buffers alive across
+streams with references and events, which the schedule expresses as frees placed after the waits.
+Each event is stamped with the time its stream reaches it, never earlier than the previous event, so
+the timeline is monotone and its maximum is the issue-order peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fsdp_sim.schedule.ops import CATEGORIES, Buffer, Op
+
+_CAT_INDEX = {c: i for i, c in enumerate(CATEGORIES)}
+
+
+class LedgerError(RuntimeError):
+    """A schedule broke a memory invariant (double free, free of an unknown buffer, negative level)."""
+
+
+@dataclass(slots=True)
+class MemoryTrace:
+    """The ledger's record: one row per event (row 0 is the persistent state at t=0)."""
+
+    time: np.ndarray  # (n+1,) seconds
+    levels: np.ndarray  # (n+1, len(CATEGORIES)) bytes per category after each event
+    events: list[tuple[Op | None, Buffer, int]]  # (op, buffer, +1 alloc / -1 free), row i+1
+    persistent: list[Buffer]
+    live_at_end: list[Buffer]
+
+    @property
+    def total(self) -> np.ndarray:
+        return self.levels.sum(axis=1)
+
+    def live_at(self, row: int) -> list[Buffer]:
+        """Buffers alive after event `row` (row 0: the persistent state)."""
+        live = {b.id: b for b in self.persistent}
+        for op, buf, sign in self.events[:row]:
+            if sign > 0:
+                live[buf.id] = buf
+            else:
+                del live[buf.id]
+        return list(live.values())
+
+
+def replay(ops: list[Op], persistent: list[Buffer], start: np.ndarray) -> MemoryTrace:
+    """Apply every alloc/free op in issue order; refuse a double free or a free of a dead buffer."""
+    live: dict[int, Buffer] = {b.id: b for b in persistent}
+    initial = np.zeros(len(CATEGORIES))
+    for b in persistent:
+        initial[_CAT_INDEX[b.category]] += b.nbytes
+    times, cats, deltas, events = [0.0], [], [], []
+    t = 0.0
+    for op in ops:
+        if op.kind == "alloc":
+            buf = op.buffer
+            if buf.id in live:
+                raise LedgerError(f"buffer {buf.name!r} allocated twice")
+            live[buf.id] = buf
+            sign = 1
+        elif op.kind == "free":
+            buf = op.buffer
+            if live.pop(buf.id, None) is None:
+                raise LedgerError(f"buffer {buf.name!r} freed twice or never allocated (op {op.name!r}, {op.phase})")
+            sign = -1
+        else:
+            continue
+        t = max(t, float(start[op.id]))
+        times.append(t)
+        cats.append(_CAT_INDEX[buf.category])
+        deltas.append(sign * buf.nbytes)
+        events.append((op, buf, sign))
+    delta = np.zeros((len(deltas) + 1, len(CATEGORIES)))
+    delta[0] = initial
+    if deltas:
+        delta[np.arange(1, len(deltas) + 1), cats] = deltas
+    levels = np.cumsum(delta, axis=0)
+    if (levels < 0).any():
+        row, col = np.argwhere(levels < 0)[0]
+        raise LedgerError(f"{CATEGORIES[col]} went negative at event {row} ({events[row - 1][1].name!r})")
+    return MemoryTrace(np.array(times), levels, events, list(persistent), list(live.values()))

@@ -1,0 +1,140 @@
+"""GPU profiles loaded from `hardware_profiles/*.yaml` into frozen dataclasses.
+
+The loader checks the keys exactly (an unknown or missing key is an error naming it) and that every
+figure is a positive number. Units live in the key names: bytes, bytes/s, FLOP/s, seconds.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import yaml
+
+from fsdp_sim.errors import ScenarioError
+
+REPO_PROFILES = Path(__file__).resolve().parents[2] / "hardware_profiles"
+_TOP_KEYS = {"name", "description", "memory_bytes", "hbm_bandwidth_Bps", "peak_flops", "matmul_efficiency",
+             "gpus_per_node", "intra_node", "inter_node", "cuda_context_bytes", "nccl_bytes"}
+_LINK_KEYS = {"bandwidth_Bps", "hop_latency_s"}
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """Achievable ring bus bandwidth (bytes/s) and per-hop latency (s) of one kind of link."""
+
+    bandwidth_Bps: float
+    hop_latency_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProfile:
+    name: str
+    description: str
+    memory_bytes: int
+    hbm_bandwidth_Bps: float
+    peak_flops: dict[str, float]
+    matmul_efficiency: float
+    gpus_per_node: int
+    intra_node: Link
+    inter_node: Link
+    cuda_context_bytes: int
+    nccl_bytes: int
+
+    def flops(self, dtype: str) -> float:
+        """Dense peak FLOP/s for matmuls in `dtype` (fp32 matmuls use TF32 tensor cores when listed)."""
+        if dtype == "fp32" and "tf32" in self.peak_flops:
+            dtype = "tf32"
+        if dtype not in self.peak_flops:
+            raise ScenarioError(f"fsdp.mixed_precision.param_dtype: {dtype} is not supported by {self.name} "
+                                f"(it lists {sorted(self.peak_flops)})")
+        return self.peak_flops[dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """`nodes` x `gpus_per_node` identical GPUs: one NVLink-class domain per node, NICs between nodes."""
+
+    gpu: GpuProfile
+    nodes: int
+    gpus_per_node: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def _number(path: str, key: str, value, *, integer: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ScenarioError(f"{path}: {key} must be a positive number, got {value!r}")
+    if integer and value != int(value):
+        raise ScenarioError(f"{path}: {key} must be an integer, got {value!r}")
+    return int(value) if integer else float(value)
+
+
+def _check_keys(path: str, where: str, data, expected: set[str]) -> None:
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{path}: {where} must be a mapping")
+    if unknown := sorted(set(data) - expected):
+        raise ScenarioError(f"{path}: unknown key {where}{unknown[0]!r}, expected {sorted(expected)}")
+    if missing := sorted(expected - set(data)):
+        raise ScenarioError(f"{path}: missing key {where}{missing[0]!r}")
+
+
+def _link(path: str, key: str, data) -> Link:
+    _check_keys(path, f"{key}.", data, _LINK_KEYS)
+    return Link(_number(path, f"{key}.bandwidth_Bps", data["bandwidth_Bps"]),
+                _number(path, f"{key}.hop_latency_s", data["hop_latency_s"]))
+
+
+def parse_profile(data, path: str) -> GpuProfile:
+    _check_keys(path, "", data, _TOP_KEYS)
+    peaks = data["peak_flops"]
+    if not isinstance(peaks, dict) or not peaks:
+        raise ScenarioError(f"{path}: peak_flops must map dtypes to FLOP/s")
+    eff = data["matmul_efficiency"]
+    if not isinstance(eff, (int, float)) or not 0 < eff <= 1:
+        raise ScenarioError(f"{path}: matmul_efficiency must be in (0, 1], got {eff!r}")
+    return GpuProfile(
+        name=str(data["name"]), description=str(data["description"]),
+        memory_bytes=_number(path, "memory_bytes", data["memory_bytes"], integer=True),
+        hbm_bandwidth_Bps=_number(path, "hbm_bandwidth_Bps", data["hbm_bandwidth_Bps"]),
+        peak_flops={k: _number(path, f"peak_flops.{k}", v) for k, v in peaks.items()},
+        matmul_efficiency=float(eff),
+        gpus_per_node=_number(path, "gpus_per_node", data["gpus_per_node"], integer=True),
+        intra_node=_link(path, "intra_node", data["intra_node"]),
+        inter_node=_link(path, "inter_node", data["inter_node"]),
+        cuda_context_bytes=_number(path, "cuda_context_bytes", data["cuda_context_bytes"], integer=True),
+        nccl_bytes=_number(path, "nccl_bytes", data["nccl_bytes"], integer=True))
+
+
+def _profile_dirs() -> list[Path]:
+    """`$FSDP_SIM_PROFILES`, then `./hardware_profiles`, then the checkout's own folder."""
+    extra = os.environ.get("FSDP_SIM_PROFILES")
+    dirs = ([Path(extra)] if extra else []) + [Path.cwd() / "hardware_profiles", REPO_PROFILES]
+    return [d for d in dict.fromkeys(dirs) if d.is_dir()]
+
+
+def profile_names() -> list[str]:
+    return sorted({p.stem for d in _profile_dirs() for p in d.glob("*.yaml")})
+
+
+@cache
+def load_profile(name_or_path: str) -> GpuProfile:
+    """A profile by name (a file stem in `hardware_profiles/`) or by path to a YAML file."""
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        found = [d / f"{name_or_path}.yaml" for d in _profile_dirs() if (d / f"{name_or_path}.yaml").is_file()]
+        if not found:
+            raise ScenarioError(f"hardware.profile: unknown profile {name_or_path!r}, expected one of {profile_names()} "
+                                f"or a path to a .yaml file")
+        path = found[0]
+    elif not path.is_file():
+        raise ScenarioError(f"hardware.profile: file not found: {name_or_path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ScenarioError(f"hardware.profile: {path} is not valid YAML ({str(exc).splitlines()[0]})") from None
+    return parse_profile(data, str(path))

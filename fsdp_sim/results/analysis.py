@@ -1,0 +1,164 @@
+"""From the op timings and the memory ledger to the numbers a user asks for.
+
+Allocated = bytes of live tensors in issue order (what `torch.cuda.max_memory_allocated` reports).
+Reserved = what the caching allocator would hold: each stream has its own pool (blocks are not shared
+across streams), each pool keeps its high-water mark, and sizes are rounded as the allocator rounds
+them. That is a lower bound: fragmentation inside a pool is not modelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fsdp_sim.engine import MemoryTrace, Timing
+from fsdp_sim.scenario import Scenario
+from fsdp_sim.schedule.ops import CATEGORIES, COLLECTIVES, OpGraph
+
+MIN_BLOCK, SMALL_SIZE, ROUND_LARGE = 512, 1 << 20, 2 << 20  # c10 CUDACachingAllocator constants
+
+
+def allocator_size(nbytes: int) -> int:
+    """Block size the caching allocator hands out: 512 B multiples up to 1 MiB, then 2 MiB multiples."""
+    if nbytes <= SMALL_SIZE:
+        return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
+    return -(-nbytes // ROUND_LARGE) * ROUND_LARGE
+
+
+def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if b <= a:
+            continue
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the overlap of two merged interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Everything one simulated step produced, and the figures derived from it."""
+
+    scenario: Scenario
+    graph: OpGraph
+    timing: Timing
+    memory: MemoryTrace
+
+    # ---- time ------------------------------------------------------------------------
+    @property
+    def step_time_s(self) -> float:
+        return self.timing.makespan
+
+    def _intervals(self, pred) -> list[tuple[float, float]]:
+        start, end = self.timing.start, self.timing.end
+        return [(float(start[op.id]), float(end[op.id])) for op in self.graph.ops if pred(op)]
+
+    def communication(self) -> dict:
+        s = self.scenario.settings
+        comm = self._intervals(lambda op: op.kind in COLLECTIVES)
+        busy = _merge(self._intervals(lambda op: op.stream == "compute" and op.kind in ("compute", "copy")))
+        total = sum(b - a for a, b in comm)
+        comm_merged = _merge(comm)
+        exposed = _length(comm_merged) - _intersection(comm_merged, busy)
+        ring = {"shard": (s.shard_size - 1) / s.shard_size, "replicate": 2 * (s.replicate_size - 1) / s.replicate_size}
+        moved = {k: 0.0 for k in COLLECTIVES}
+        for op in self.graph.ops:
+            if op.kind in COLLECTIVES:
+                moved[op.kind] += op.comm_bytes * ring[op.group]
+        return {"all_gather_bytes": int(moved["all_gather"]), "reduce_scatter_bytes": int(moved["reduce_scatter"]),
+                "all_reduce_bytes": int(moved["all_reduce"]), "total_s": total, "exposed_s": exposed,
+                "overlap_fraction": 1 - exposed / total if total > 0 else 1.0}
+
+    def compute(self) -> dict:
+        busy = _length(_merge(self._intervals(lambda op: op.stream == "compute" and op.kind in ("compute", "copy"))))
+        gpu = self.scenario.cluster.gpu
+        peak = gpu.flops(self.scenario.settings.param_dtype)
+        mfu = self.scenario.workload.model_flops / (self.step_time_s * peak) if self.step_time_s > 0 else 0.0
+        return {"busy_s": busy, "mfu": mfu, "model_flops": self.scenario.workload.model_flops}
+
+    # ---- memory ------------------------------------------------------------------------
+    @property
+    def peak_row(self) -> int:
+        return int(np.argmax(self.memory.total))
+
+    def reserved_bytes(self) -> int:
+        """Sum over streams of each pool's high-water mark of allocator-rounded live bytes."""
+        pool_of: dict[int, str] = {b.id: "compute" for b in self.memory.persistent}
+        level: dict[str, int] = {"compute": sum(allocator_size(b.nbytes) for b in self.memory.persistent)}
+        high = dict(level)
+        for op, buf, sign in self.memory.events:
+            pool = pool_of.setdefault(buf.id, op.stream)
+            level[pool] = level.get(pool, 0) + sign * allocator_size(buf.nbytes)
+            if level[pool] > high.get(pool, 0):
+                high[pool] = level[pool]
+        return int(sum(high.values()))
+
+    def peak(self, top: int = 10) -> dict:
+        row = self.peak_row
+        levels = self.memory.levels[row]
+        allocated = int(levels.sum())
+        op = self.memory.events[row - 1][0] if row else None
+        gpu = self.scenario.cluster.gpu
+        reserved = self.reserved_bytes()
+        by_category = {c: int(v) for c, v in zip(CATEGORIES, levels)}
+        by_category.update(cuda_context=gpu.cuda_context_bytes, nccl=gpu.nccl_bytes, fragmentation=reserved - allocated)
+        live = sorted(self.memory.live_at(row), key=lambda b: -b.nbytes)[:top]
+        return {"allocated_bytes": allocated, "reserved_bytes": reserved, "time_s": float(self.memory.time[row]),
+                "phase": op.phase if op else "before step", "unit": (op.unit or None) if op else None,
+                "op": op.name if op else None, "by_category": by_category,
+                "live_buffers": [{"name": b.name, "category": b.category, "bytes": b.nbytes, "unit": b.unit} for b in live]}
+
+    def memory_summary(self, peak: dict) -> dict:
+        gpu = self.scenario.cluster.gpu
+        margin = self.scenario.safety_margin
+        required = peak["reserved_bytes"] + gpu.cuda_context_bytes + gpu.nccl_bytes
+        budget = gpu.memory_bytes * (1 - margin)
+        persistent = {c: 0 for c in CATEGORIES}
+        for b in self.memory.persistent:
+            persistent[b.category] += b.nbytes
+        return {"capacity_bytes": gpu.memory_bytes, "safety_margin": margin, "budget_bytes": int(budget),
+                "required_bytes": int(required), "fits": required <= budget, "headroom_bytes": int(budget - required),
+                "persistent_bytes": {c: v for c, v in persistent.items() if v}}
+
+    def to_dict(self) -> dict:
+        sc = self.scenario
+        s = sc.settings
+        peak = self.peak()
+        wl = sc.workload
+        return {
+            "scenario": sc.name,
+            "step_time_s": self.step_time_s,
+            "peak": peak,
+            "memory": self.memory_summary(peak),
+            "communication": self.communication(),
+            "compute": self.compute(),
+            "model": {"name": wl.name, "params": wl.numel, "tokens_per_rank": wl.tokens},
+            "hardware": {"profile": sc.cluster.gpu.name, "nodes": sc.cluster.nodes,
+                         "gpus_per_node": sc.cluster.gpus_per_node, "world_size": sc.cluster.world_size},
+            "fsdp": {"runtime": "fsdp2", "wrap": sc.wrap, "sharding_strategy": sc.sharding_strategy,
+                     "shard_size": s.shard_size, "replicate_size": s.replicate_size,
+                     "reshard_after_forward": s.reshard_after_forward, "param_dtype": s.param_dtype,
+                     "reduce_dtype": s.reduce_dtype, "optimizer": s.optimizer,
+                     "activation_checkpointing": "full" if s.activation_checkpointing else "none"},
+            "units": [{"name": u.name, "params": u.numel, "modules": len(u.modules), "root": u.is_root,
+                       "sharded_bytes": u.shard_numel(s.shard_size) * s.storage_bytes} for u in sc.units],
+        }

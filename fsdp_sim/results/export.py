@@ -1,0 +1,59 @@
+"""Exporters: a result as JSON-ready data, a Chrome/Perfetto trace, and a memory-timeline CSV.
+
+Each function returns data or text; only the CLI writes files.
+"""
+
+from __future__ import annotations
+
+import io
+
+from fsdp_sim.results.analysis import StepResult
+from fsdp_sim.schedule.ops import CATEGORIES
+
+TRACE_STREAMS = ("compute", "all_gather_copy_in", "all_gather", "reduce_scatter", "all_reduce")
+
+
+def chrome_trace(result: StepResult, rank: int = 0) -> dict:
+    """Trace Event Format (microseconds): a process per rank, a thread per stream, memory counters."""
+    pid = rank
+    events: list[dict] = [{"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"rank {rank} (simulated)"}}]
+    streams = list(TRACE_STREAMS) + sorted({op.stream for op in result.graph.ops} - set(TRACE_STREAMS))
+    tid = {name: i for i, name in enumerate(streams)}
+    for name, i in tid.items():
+        events.append({"ph": "M", "pid": pid, "tid": i, "name": "thread_name", "args": {"name": name}})
+        events.append({"ph": "M", "pid": pid, "tid": i, "name": "thread_sort_index", "args": {"sort_index": i}})
+    start, end = result.timing.start, result.timing.end
+    for op in result.graph.ops:
+        if op.kind in ("alloc", "free"):
+            continue
+        args = {"unit": op.unit, "phase": op.phase, "kind": op.kind}
+        if op.comm_bytes:
+            args["bytes"] = int(op.comm_bytes)
+        if op.flops:
+            args["flops"] = op.flops
+        if op.hbm_bytes:
+            args["hbm_bytes"] = int(op.hbm_bytes)
+        events.append({"ph": "X", "pid": pid, "tid": tid[op.stream], "name": op.name, "cat": op.kind,
+                       "ts": float(start[op.id]) * 1e6, "dur": float(end[op.id] - start[op.id]) * 1e6, "args": args})
+    mem = result.memory
+    previous = None
+    for t, row in zip(mem.time, mem.levels):
+        if previous is not None and (row == previous).all():
+            continue
+        for c, (name, value) in enumerate(zip(CATEGORIES, row)):
+            if previous is None or value != previous[c]:
+                events.append({"ph": "C", "pid": pid, "name": f"memory {name} (bytes)", "ts": float(t) * 1e6,
+                               "args": {"bytes": int(value)}})
+        events.append({"ph": "C", "pid": pid, "name": "memory allocated (bytes)", "ts": float(t) * 1e6,
+                       "args": {"bytes": int(row.sum())}})
+        previous = row
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"tool": "fsdp-sim", "scenario": result.scenario.name}}
+
+
+def timeline_csv(result: StepResult) -> str:
+    """One row per memory event: time (s), bytes per category, total allocated bytes."""
+    out = io.StringIO()
+    out.write("time_s," + ",".join(f"{c}_bytes" for c in CATEGORIES) + ",total_bytes\n")
+    for t, row in zip(result.memory.time, result.memory.levels):
+        out.write(f"{t:.9f}," + ",".join(str(int(v)) for v in row) + f",{int(row.sum())}\n")
+    return out.getvalue()

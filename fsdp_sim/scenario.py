@@ -1,0 +1,170 @@
+"""Scenario files: load, check every key and value, resolve into what the simulator needs.
+
+A scenario is YAML with the sections `model`, `training`, `hardware`, `fsdp` and `report` (README
+documents every key). Checking happens here, at the edge: an unknown key, a wrong type or an
+impossible combination raises `ScenarioError` naming the key and what was expected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fsdp_sim.dtypes import DTYPE_BYTES
+from fsdp_sim.errors import ScenarioError
+from fsdp_sim.hardware.profiles import Cluster, load_profile
+from fsdp_sim.schedule.settings import OPTIMIZER_STATES, FSDPSettings
+from fsdp_sim.workload import PRESETS, TransformerDims, Workload, build_transformer
+from fsdp_sim.wrap import POLICIES, Unit, make_units
+
+STRATEGIES = {  # FSDP1 name -> (mesh, reshard_after_forward) as FSDP2 expresses it (torchtitan docs/fsdp.md)
+    "FULL_SHARD": ("1d", True), "SHARD_GRAD_OP": ("1d", False), "HYBRID_SHARD": ("2d", True),
+    "_HYBRID_SHARD_ZERO2": ("2d", False), "NO_SHARD": ("replicate", False),
+}
+_MISSING = object()
+
+
+def _expect(section: str, data: Any) -> dict:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{section}: expected a mapping, got {type(data).__name__}")
+    return data
+
+
+def _check_keys(section: str, data: dict, allowed) -> None:
+    for key in data:
+        if key not in allowed:
+            raise ScenarioError(f"{section}.{key}: unknown key, expected one of {sorted(allowed)}")
+
+
+def _get(section: str, data: dict, key: str, kind: type, default=_MISSING, *, choices=None, positive=False):
+    value = data.get(key, default)
+    where = f"{section}.{key}"
+    if value is _MISSING:
+        raise ScenarioError(f"{where}: missing (required)")
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if value is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
+        raise ScenarioError(f"{where}: expected {kind.__name__}, got {value!r}")
+    if choices is not None and value not in choices:
+        raise ScenarioError(f"{where}: {value!r} is not one of {list(choices)}")
+    if positive and value is not None and value <= 0:
+        raise ScenarioError(f"{where}: must be positive, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """A validated scenario: the workload, its FSDP units, the cluster and the FSDP settings."""
+
+    name: str
+    workload: Workload
+    units: list[Unit]
+    cluster: Cluster
+    settings: FSDPSettings
+    wrap: str
+    sharding_strategy: str
+    safety_margin: float
+
+
+_DIM_KEYS = {f.name for f in fields(TransformerDims)}
+
+
+def _model_dims(raw) -> tuple[str, TransformerDims]:
+    if isinstance(raw, str):
+        raw = {"preset": raw}
+    raw = _expect("model", raw)
+    _check_keys("model", raw, _DIM_KEYS | {"preset"})
+    preset = _get("model", raw, "preset", str, None)
+    overrides = {k: v for k, v in raw.items() if k != "preset"}
+    for key, value in overrides.items():
+        kind = bool if key in ("bias", "tie_embeddings", "learned_pos", "dropout") else str if key in ("mlp", "norm", "attention") else int
+        _get("model", overrides, key, kind)
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ScenarioError(f"model.preset: unknown preset {preset!r}, expected one of {sorted(PRESETS)}")
+        return preset, replace(PRESETS[preset], **overrides)
+    for key in ("hidden", "layers", "heads", "vocab"):
+        if key not in overrides:
+            raise ScenarioError(f"model.{key}: missing (required without a preset)")
+    return "custom", TransformerDims(**overrides)
+
+
+def parse_scenario(data: Any, name: str = "scenario") -> Scenario:
+    data = _expect("scenario", data)
+    _check_keys("scenario", data, {"name", "model", "training", "hardware", "fsdp", "report"})
+    if "model" not in data:
+        raise ScenarioError("model: missing (a preset name or transformer dimensions)")
+    model_name, dims = _model_dims(data["model"])
+
+    training = _expect("training", data.get("training"))
+    _check_keys("training", training, {"micro_batch", "seq_len", "optimizer", "activation_checkpointing"})
+    micro_batch = _get("training", training, "micro_batch", int, 1, positive=True)
+    seq_len = _get("training", training, "seq_len", int, 2048, positive=True)
+    optimizer = _get("training", training, "optimizer", str, "adamw", choices=tuple(OPTIMIZER_STATES))
+    ac = _get("training", training, "activation_checkpointing", str, "none", choices=("none", "full"))
+
+    hardware = _expect("hardware", data.get("hardware"))
+    _check_keys("hardware", hardware, {"profile", "nodes", "gpus_per_node"})
+    gpu = load_profile(_get("hardware", hardware, "profile", str))
+    nodes = _get("hardware", hardware, "nodes", int, 1, positive=True)
+    gpn = _get("hardware", hardware, "gpus_per_node", int, gpu.gpus_per_node, positive=True)
+    cluster = Cluster(gpu, nodes, gpn)
+    world = cluster.world_size
+
+    fsdp = _expect("fsdp", data.get("fsdp"))
+    _check_keys("fsdp", fsdp, {"version", "wrap", "blocks_per_unit", "min_params", "sharding_strategy",
+                               "shard_size", "reshard_after_forward", "mixed_precision"})
+    version = _get("fsdp", fsdp, "version", int, 2, choices=(2,))
+    del version  # FSDP1 mode is not modelled yet; only 2 is accepted
+    wrap = _get("fsdp", fsdp, "wrap", str, "per_block", choices=POLICIES)
+    k = _get("fsdp", fsdp, "blocks_per_unit", int, 1, positive=True)
+    min_params = _get("fsdp", fsdp, "min_params", int, 100_000_000, positive=True)
+    strategy = _get("fsdp", fsdp, "sharding_strategy", str, "FULL_SHARD", choices=tuple(STRATEGIES))
+    mesh, reshard = STRATEGIES[strategy]
+    raf = _get("fsdp", fsdp, "reshard_after_forward", bool, None)
+    if raf is not None and "sharding_strategy" in fsdp and raf != reshard:
+        raise ScenarioError(f"fsdp.reshard_after_forward: {raf} contradicts sharding_strategy {strategy} (which implies {reshard})")
+    reshard = reshard if raf is None else raf
+    shard_size = {"1d": world, "2d": gpn, "replicate": 1}[mesh]
+    shard_size = _get("fsdp", fsdp, "shard_size", int, shard_size, positive=True)
+    if world % shard_size:
+        raise ScenarioError(f"fsdp.shard_size: {shard_size} does not divide the world size {world} "
+                            f"({nodes} nodes x {gpn} GPUs)")
+    mp = _expect("fsdp.mixed_precision", fsdp.get("mixed_precision"))
+    _check_keys("fsdp.mixed_precision", mp, {"param_dtype", "reduce_dtype"})
+    dtypes = tuple(d for d in DTYPE_BYTES if d in ("fp32", "bf16", "fp16"))
+    param_dtype = _get("fsdp.mixed_precision", mp, "param_dtype", str, "bf16", choices=dtypes)
+    reduce_dtype = _get("fsdp.mixed_precision", mp, "reduce_dtype", str, "fp32", choices=dtypes)
+    gpu.flops(param_dtype)  # the GPU must support the compute dtype
+
+    report = _expect("report", data.get("report"))
+    _check_keys("report", report, {"safety_margin"})
+    margin = _get("report", report, "safety_margin", float, 0.10)
+    if not 0 <= margin < 1:
+        raise ScenarioError(f"report.safety_margin: {margin} must be in [0, 1)")
+
+    workload = build_transformer(dims, micro_batch=micro_batch, seq_len=seq_len, act_dtype=param_dtype, name=model_name)
+    units = make_units(workload, wrap, k=k, min_params=min_params)
+    settings = FSDPSettings(shard_size=shard_size, replicate_size=world // shard_size, reshard_after_forward=reshard,
+                            param_dtype=param_dtype, reduce_dtype=reduce_dtype, optimizer=optimizer,
+                            activation_checkpointing=ac == "full")
+    return Scenario(name=_get("scenario", data, "name", str, name), workload=workload, units=units, cluster=cluster,
+                    settings=settings, wrap=wrap, sharding_strategy=strategy, safety_margin=margin)
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    path = Path(path)
+    if not path.is_file():
+        raise ScenarioError(f"scenario file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ScenarioError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    return parse_scenario(data, name=path.stem)

@@ -1,0 +1,270 @@
+"""The FSDP2 (`fully_shard`) runtime of one training step, as an op graph.
+
+One method per hook, in the order PyTorch calls them, so it can be read beside
+`torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py` (see docs/fsdp2-runtime.md for the
+source references). Streams: `compute` (current stream), `all_gather_copy_in`, `all_gather`,
+`reduce_scatter`, `all_reduce`; all collectives of one process group share one NCCL lane, so they
+run in issue order whatever their stream.
+"""
+
+from __future__ import annotations
+
+from fsdp_sim.dtypes import itemsize
+from fsdp_sim.schedule.ops import Buffer, Op, OpGraph
+from fsdp_sim.schedule.settings import OPTIMIZER_STATES, OPTIMIZER_STEP_TEMPS, OPTIMIZER_STEP_TRAFFIC, FSDPSettings
+from fsdp_sim.workload.model import Module, Workload
+from fsdp_sim.wrap import Unit
+
+COMPUTE, COPY_IN, AG, RS, AR = "compute", "all_gather_copy_in", "all_gather", "reduce_scatter", "all_reduce"
+SHARD_GROUP, REPLICATE_GROUP = "shard", "replicate"
+
+
+class FSDP2Runtime:
+    """Walks one step (forward, backward, optimizer step) and emits what FSDP2 and autograd issue."""
+
+    def __init__(self, workload: Workload, units: list[Unit], settings: FSDPSettings) -> None:
+        self.wl, self.units, self.s = workload, units, settings
+        self.g = OpGraph()
+        self.unit_of = {name: u for u in units for name in u.modules}
+        model = [m for m in workload.modules if m.in_model]
+        root = units[0]
+        # the root's hooks run around the whole model; an inner unit's around its own modules
+        self.first = {u.name: (model[0].name if u.is_root else u.modules[0]) for u in units}
+        self.last = {u.name: (model[-1].name if u.is_root else u.modules[-1]) for u in units}
+        self.root = root
+        self.unsharded: dict[str, Buffer | None] = {u.name: None for u in units}
+        self.pending_all_gather: dict[str, tuple[Buffer, Op]] = {}
+        self.all_gather_state: tuple[Buffer, Op] | None = None
+        self.reduce_scatter_state: tuple[Buffer, Op] | None = None
+        self.post_forward_order: list[Unit] = []
+        self.unsharded_grads: dict[str, Buffer] = {}
+        self.sharded_grads: list[Buffer] = []
+        self.outputs: dict[str, Buffer] = {}
+        self.saved: dict[str, Buffer] = {}
+        self.grad_output: Buffer | None = None
+        self.activation_bytes = itemsize(workload.activation_dtype)
+        self.params_by_name = {p.name: p for p in workload.params}
+
+    # ---- the step -------------------------------------------------------------------------
+    def build(self) -> OpGraph:
+        g = self.g
+        self._persistent_state()
+        g.phase = "forward"
+        inputs = g.alloc(COMPUTE, "batch (input ids, labels)", "inputs", self.wl.input_bytes)
+        prev: Module | None = None
+        for m in self.wl.modules:
+            unit = self.unit_of.get(m.name, self.root) if m.in_model else None
+            if unit is not None and self.first[unit.name] == m.name:
+                self.pre_forward(unit)
+            self.forward_compute(m, prev)
+            if unit is not None and self.last[unit.name] == m.name:
+                self.post_forward(unit)
+            prev = m
+        g.phase = "backward"
+        modules = list(self.wl.modules)
+        for i in range(len(modules) - 1, -1, -1):
+            m = modules[i]
+            unit = self.unit_of.get(m.name, self.root) if m.in_model else None
+            if unit is not None and self.last[unit.name] == m.name:
+                self.pre_backward(unit)
+            self.backward_compute(m, modules[i - 1] if i else None, modules[i + 1] if i + 1 < len(modules) else None)
+            if unit is not None and self.first[unit.name] == m.name:
+                self.post_backward(unit)
+        last_reduce = self.root_post_backward_final_callback()
+        self.optimizer_step(last_reduce)
+        g.free(COMPUTE, inputs)
+        return g
+
+    def _persistent_state(self) -> None:
+        """Sharded fp32 parameters (dim-0 padded) and optimizer states exist before the step."""
+        s, g = self.s, self.g
+        for u in self.units:
+            g.unit = u.name
+            if u.params:
+                g.persistent_alloc(f"{u.name} sharded params", "sharded_params", u.shard_numel(s.shard_size) * s.storage_bytes)
+            trainable = u.shard_numel(s.shard_size, trainable_only=True)
+            if trainable and OPTIMIZER_STATES[s.optimizer]:
+                g.persistent_alloc(f"{u.name} {s.optimizer} states", "optimizer_states",
+                                   OPTIMIZER_STATES[s.optimizer] * trainable * 4)
+
+    # ---- hooks (FSDPParamGroup) ---------------------------------------------------------
+    def pre_forward(self, u: Unit) -> None:
+        self.g.unit = u.name
+        self.unshard(u)
+        self.wait_for_unshard(u, in_forward=True)
+
+    def post_forward(self, u: Unit) -> None:
+        self.g.unit = u.name
+        # the root is not resharded after forward: its parameters are needed first in backward
+        if not u.is_root and self.s.reshard_after_forward:
+            self.reshard(u)
+        if u.is_root and self.all_gather_state is not None:
+            # the root's post-forward releases the last forward all-gather output
+            self.g.free(COMPUTE, self.all_gather_state[0])
+            self.all_gather_state = None
+        self.post_forward_order.append(u)
+
+    def pre_backward(self, u: Unit) -> None:
+        self.g.unit = u.name
+        if self.unsharded[u.name] is None:
+            self.unshard(u)
+            self.wait_for_unshard(u, in_forward=False)
+        # default backward prefetch: the unit before this one in post-forward order, issued before
+        # this unit's gradient kernels (FSDP1's BACKWARD_PRE)
+        index = self.post_forward_order.index(u)
+        if index > 0:
+            target = self.post_forward_order[index - 1]
+            self.g.unit = target.name
+            self.unshard(target)
+            self.g.unit = u.name
+
+    def post_backward(self, u: Unit) -> None:
+        self.g.unit = u.name
+        self.reshard(u)
+        if any(p.trainable for p in u.params):
+            self.foreach_reduce(u)
+
+    def root_post_backward_final_callback(self) -> Op | None:
+        """The compute stream waits the last reduction; the last reduce-scatter input is released."""
+        self.g.unit = self.root.name
+        if self.reduce_scatter_state is None:
+            return None
+        buf, last = self.reduce_scatter_state
+        self.g.free(COMPUTE, buf, deps=(last,))
+        self.reduce_scatter_state = None
+        return last
+
+    # ---- unshard / reshard (all-gather copy-in, collective, copy-out) -------------------------
+    def unshard(self, u: Unit) -> None:
+        if not u.params or self.unsharded[u.name] is not None or u.name in self.pending_all_gather:
+            return
+        s, g = self.s, self.g
+        shard = u.shard_numel(s.shard_size)
+        # with a param_dtype, the fp32 shards are first cast into one flat low-precision temporary
+        cast = s.param_dtype != s.storage_dtype
+        temp = g.alloc(COPY_IN, f"{u.name} all-gather copy-in cast", "temporaries", shard * s.param_bytes) if cast else None
+        out = g.alloc(COPY_IN, f"{u.name} all-gather output", "all_gather_buffers", shard * s.shard_size * s.param_bytes)
+        copy_in = g.add("copy", COPY_IN, f"{u.name} all-gather copy-in", hbm_bytes=shard * (s.storage_bytes + s.param_bytes))
+        ag = g.add("all_gather", AG, f"{u.name} all-gather", deps=(copy_in,), group=SHARD_GROUP, comm_bytes=out.nbytes)
+        if temp is not None:
+            g.free(COPY_IN, temp)  # dropped when the all-gather call returns
+        self.pending_all_gather[u.name] = (out, ag)
+
+    def wait_for_unshard(self, u: Unit, *, in_forward: bool) -> None:
+        if u.name not in self.pending_all_gather:
+            return
+        s, g = self.s, self.g
+        out, ag = self.pending_all_gather.pop(u.name)
+        # each parameter gets its own storage of its padded size, viewed at its true shape
+        self.unsharded[u.name] = g.alloc(COMPUTE, f"{u.name} unsharded params", "unsharded_params", out.nbytes, deps=(ag,))
+        copy_out = g.add("copy", COMPUTE, f"{u.name} all-gather copy-out", deps=(ag,), hbm_bytes=2 * out.nbytes)
+        if not in_forward:
+            g.free(COMPUTE, out)
+            return
+        # forward: this output stays referenced until the next unit's copy-out, so the next
+        # copy-in/all-gather never overwrite memory still being copied out
+        if self.all_gather_state is not None:
+            g.free(COMPUTE, self.all_gather_state[0])
+        self.all_gather_state = (out, copy_out)
+
+    def reshard(self, u: Unit) -> None:
+        buf = self.unsharded[u.name]
+        if buf is not None:
+            self.g.free(COMPUTE, buf)
+            self.unsharded[u.name] = None
+
+    # ---- gradient reduction (foreach_reduce) -------------------------------------------------
+    def foreach_reduce(self, u: Unit) -> None:
+        s, g = self.s, self.g
+        if self.reduce_scatter_state is not None:
+            # the compute stream waits the previous reduce-scatter, then drops its input
+            prev, prev_event = self.reduce_scatter_state
+            g.free(COMPUTE, prev, deps=(prev_event,))
+        shard = u.shard_numel(s.shard_size, trainable_only=True)
+        rs_in = g.alloc(COMPUTE, f"{u.name} reduce-scatter input", "reduce_scatter_buffers", shard * s.shard_size * s.reduce_bytes)
+        grads = [self.unsharded_grads.pop(p.name) for p in u.params if p.name in self.unsharded_grads]
+        copy_in = g.add("copy", COMPUTE, f"{u.name} reduce-scatter copy-in",
+                        hbm_bytes=sum(b.nbytes for b in grads) + rs_in.nbytes)
+        for buf in grads:
+            g.free(COMPUTE, buf)
+        rs_out_is_grad = s.reduce_dtype == s.storage_dtype
+        rs_out = g.alloc(RS, f"{u.name} sharded grads" if rs_out_is_grad else f"{u.name} reduce-scatter output",
+                         "sharded_grads" if rs_out_is_grad else "reduce_scatter_buffers", shard * s.reduce_bytes, deps=(copy_in,))
+        event = g.add("reduce_scatter", RS, f"{u.name} reduce-scatter", deps=(copy_in,), group=SHARD_GROUP,
+                      comm_bytes=rs_in.nbytes)
+        if s.replicate_size > 1:
+            event = g.add("all_reduce", AR, f"{u.name} all-reduce (replicas)", deps=(event,), group=REPLICATE_GROUP,
+                          comm_bytes=rs_out.nbytes)
+        if rs_out_is_grad:
+            self.sharded_grads.append(rs_out)
+        else:
+            grad = g.alloc(RS, f"{u.name} sharded grads", "sharded_grads", shard * s.storage_bytes, deps=(event,))
+            event = g.add("copy", RS, f"{u.name} cast sharded grads to {s.storage_dtype}", deps=(event,),
+                          hbm_bytes=rs_out.nbytes + grad.nbytes)
+            g.free(RS, rs_out)
+            self.sharded_grads.append(grad)
+        self.reduce_scatter_state = (rs_in, event)
+
+    # ---- autograd: what each module's forward and backward allocate -----------------------------
+    def _scaled(self, nbytes: int) -> int:
+        """Activation bytes in this run's compute dtype (the workload may be traced in another)."""
+        return nbytes * self.s.param_bytes // self.activation_bytes
+
+    def forward_compute(self, m: Module, prev: Module | None, *, recompute: bool = False) -> None:
+        g = self.g
+        checkpointed = self.s.activation_checkpointing and m.is_block
+        temp = self._scaled(m.fwd_temp_bytes) + (self._scaled(m.saved_bytes) if checkpointed and not recompute else 0)
+        transient = g.alloc(COMPUTE, f"{m.name} forward temporaries", "temporaries" if not recompute else "activations", temp) if temp else None
+        if m.saved_bytes and (recompute or not checkpointed):
+            self.saved[m.name] = g.alloc(COMPUTE, f"{m.name} saved activations", "activations", self._scaled(m.saved_bytes))
+        if not recompute:
+            self.outputs[m.name] = g.alloc(COMPUTE, f"{m.name} output", "activations", self._scaled(m.output_bytes))
+        g.add("compute", COMPUTE, f"{m.name} {'recompute' if recompute else 'forward'}",
+              flops=m.fwd_flops, hbm_bytes=self._scaled(m.fwd_hbm_bytes))
+        if transient is not None:
+            g.free(COMPUTE, transient)
+        if not recompute and prev is not None and not (m.saves_input or checkpointed):
+            g.free(COMPUTE, self.outputs.pop(prev.name))
+
+    def backward_compute(self, m: Module, prev: Module | None, nxt: Module | None) -> None:
+        g, s = self.g, self.s
+        if s.activation_checkpointing and m.is_block:
+            self.forward_compute(m, prev, recompute=True)
+        grad_input = None
+        if prev is not None:
+            grad_input = g.alloc(COMPUTE, f"{m.name} grad input", "temporaries", self._scaled(prev.output_bytes))
+        for p in m.params + tuple(self.params_by_name[n] for n in m.tied_params):
+            if p.trainable and p.name not in self.unsharded_grads:
+                self.unsharded_grads[p.name] = g.alloc(COMPUTE, f"{p.name} unsharded grad", "unsharded_grads", p.numel * s.param_bytes)
+        temp = g.alloc(COMPUTE, f"{m.name} backward temporaries", "temporaries", self._scaled(m.bwd_temp_bytes)) if m.bwd_temp_bytes else None
+        g.add("compute", COMPUTE, f"{m.name} backward", flops=m.bwd_flops, hbm_bytes=2 * self._scaled(m.fwd_hbm_bytes))
+        if temp is not None:
+            g.free(COMPUTE, temp)
+        if m.name in self.saved:
+            g.free(COMPUTE, self.saved.pop(m.name))
+        if self.grad_output is not None:
+            g.free(COMPUTE, self.grad_output)
+        if nxt is None:
+            g.free(COMPUTE, self.outputs.pop(m.name))  # the loss value
+        if prev is not None and prev.name in self.outputs:
+            g.free(COMPUTE, self.outputs.pop(prev.name))  # this module's saved input
+        self.grad_output = grad_input
+
+    # ---- optimizer ------------------------------------------------------------------------------
+    def optimizer_step(self, last_reduce: Op | None) -> None:
+        """foreach optimizer step on the sharded fp32 parameters, then zero_grad(set_to_none=True)."""
+        g, s = self.g, self.s
+        g.phase, g.unit = "optimizer", ""
+        numel = sum(u.shard_numel(s.shard_size, trainable_only=True) for u in self.units)
+        temps = OPTIMIZER_STEP_TEMPS[s.optimizer] * numel * 4
+        temp = g.alloc(COMPUTE, f"{s.optimizer}.step temporaries", "optimizer_states", temps, deps=(last_reduce,)) if temps else None
+        g.add("compute", COMPUTE, f"{s.optimizer}.step", deps=(last_reduce,), hbm_bytes=OPTIMIZER_STEP_TRAFFIC[s.optimizer] * numel)
+        if temp is not None:
+            g.free(COMPUTE, temp)
+        for buf in self.sharded_grads:
+            g.free(COMPUTE, buf)
+        self.sharded_grads.clear()
+
+
+def build_fsdp2_step(workload: Workload, units: list[Unit], settings: FSDPSettings) -> OpGraph:
+    return FSDP2Runtime(workload, units, settings).build()

@@ -1,0 +1,98 @@
+"""The op graph a runtime emits: what each stream does, in CPU issue order, and what waits on what.
+
+Ops carry work (FLOPs, HBM bytes, collective bytes), never durations: the engine prices them with the
+hardware model. Memory is part of the graph: `alloc` and `free` ops sit on the stream where PyTorch's
+caching allocator sees them, so the ledger can replay them in issue order (what
+`torch.cuda.max_memory_allocated` and FSDPMemTracker count) and stamp them with the time the stream
+reaches them.
+
+The ops are a list in issue order and each op lists the earlier ops it waits on; that list *is* the DAG.
+`to_networkx()` builds the networkx view for analysis; the hot path never needs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+CATEGORIES = ("sharded_params", "unsharded_params", "sharded_grads", "unsharded_grads", "optimizer_states",
+              "activations", "temporaries", "all_gather_buffers", "reduce_scatter_buffers", "inputs", "buffers")
+TIMED_KINDS = ("compute", "copy", "all_gather", "reduce_scatter", "all_reduce")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+@dataclass(slots=True)
+class Buffer:
+    """One device allocation: its name, memory category, size and the FSDP unit it belongs to."""
+
+    id: int
+    name: str
+    category: str
+    nbytes: int
+    unit: str
+
+
+@dataclass(slots=True)
+class Op:
+    """One entry of a stream's queue. `deps` are ids of earlier ops this one waits on (CUDA events)."""
+
+    id: int
+    kind: str
+    stream: str
+    name: str
+    unit: str
+    phase: str
+    deps: tuple[int, ...] = ()
+    flops: float = 0.0
+    hbm_bytes: float = 0.0
+    comm_bytes: float = 0.0
+    group: str = ""
+    buffer: Buffer | None = None
+
+
+class OpGraph:
+    """Builder and container of ops; the runtime sets `phase` and `unit` as it walks the step."""
+
+    def __init__(self) -> None:
+        self.ops: list[Op] = []
+        self.buffers: list[Buffer] = []
+        self.persistent: list[Buffer] = []
+        self.phase = "forward"
+        self.unit = ""
+
+    def add(self, kind: str, stream: str, name: str, *, deps=(), flops=0.0, hbm_bytes=0.0,
+            comm_bytes=0.0, group="", buffer=None) -> Op:
+        op = Op(len(self.ops), kind, stream, name, self.unit, self.phase, tuple(d.id for d in deps if d is not None),
+                flops, hbm_bytes, comm_bytes, group, buffer)
+        self.ops.append(op)
+        return op
+
+    def alloc(self, stream: str, name: str, category: str, nbytes: int, *, deps=()) -> Buffer:
+        buf = Buffer(len(self.buffers), name, category, int(nbytes), self.unit)
+        self.buffers.append(buf)
+        self.add("alloc", stream, name, deps=deps, buffer=buf)
+        return buf
+
+    def free(self, stream: str, buf: Buffer, *, deps=()) -> Op:
+        return self.add("free", stream, buf.name, deps=deps, buffer=buf)
+
+    def persistent_alloc(self, name: str, category: str, nbytes: int) -> Buffer:
+        """State alive before the step starts and after it ends (sharded params, optimizer states)."""
+        buf = Buffer(len(self.buffers), name, category, int(nbytes), self.unit)
+        self.buffers.append(buf)
+        self.persistent.append(buf)
+        return buf
+
+    def to_networkx(self) -> nx.DiGraph:
+        """The DAG with stream-order edges and event edges, for analysis and tests."""
+        g = nx.DiGraph()
+        last: dict[str, int] = {}
+        for op in self.ops:
+            g.add_node(op.id, kind=op.kind, stream=op.stream, name=op.name)
+            if op.stream in last:
+                g.add_edge(last[op.stream], op.id, why="stream")
+            last[op.stream] = op.id
+            for d in op.deps:
+                g.add_edge(d, op.id, why="event")
+        return g

@@ -1,0 +1,45 @@
+"""What a runtime needs to know about the FSDP configuration, already validated and resolved."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fsdp_sim.dtypes import itemsize
+
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}  # fp32 tensors per parameter (exp_avg, exp_avg_sq | momentum)
+# foreach optimizers allocate shard-sized temporaries inside step(): Adam(W) builds sqrt(exp_avg_sq)
+# (torch/optim/adam.py _multi_tensor_adam); SGD with momentum updates in place.
+OPTIMIZER_STEP_TEMPS = {"adamw": 1, "adam": 1, "sgd": 0}
+# HBM traffic of one foreach step, bytes per fp32 shard element: read p, g, states; write p, states.
+OPTIMIZER_STEP_TRAFFIC = {"adamw": 4 * (4 + 3 + 1), "adam": 4 * (4 + 3 + 1), "sgd": 4 * (3 + 2)}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FSDPSettings:
+    """A (replicate x shard) device mesh and the per-unit FSDP2 options.
+
+    `shard_size` ranks hold one copy sharded; `replicate_size` copies exist (HSDP, or DDP-like when
+    `shard_size` is 1). Parameters are stored in `storage_dtype`, unsharded and computed in
+    `param_dtype`, reduced in `reduce_dtype`.
+    """
+
+    shard_size: int
+    replicate_size: int = 1
+    reshard_after_forward: bool = True
+    param_dtype: str = "bf16"
+    reduce_dtype: str = "fp32"
+    storage_dtype: str = "fp32"
+    optimizer: str = "adamw"
+    activation_checkpointing: bool = False
+
+    @property
+    def param_bytes(self) -> int:
+        return itemsize(self.param_dtype)
+
+    @property
+    def reduce_bytes(self) -> int:
+        return itemsize(self.reduce_dtype)
+
+    @property
+    def storage_bytes(self) -> int:
+        return itemsize(self.storage_dtype)

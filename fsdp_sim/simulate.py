@@ -1,0 +1,18 @@
+"""One call from a scenario to a result: schedule, price, play, replay memory."""
+
+from __future__ import annotations
+
+from fsdp_sim.engine import play, replay
+from fsdp_sim.hardware.costs import OpCosts
+from fsdp_sim.results.analysis import StepResult
+from fsdp_sim.scenario import Scenario
+from fsdp_sim.schedule.fsdp2 import build_fsdp2_step
+
+
+def simulate(scenario: Scenario) -> StepResult:
+    s = scenario.settings
+    graph = build_fsdp2_step(scenario.workload, scenario.units, s)
+    costs = OpCosts(scenario.cluster, shard_size=s.shard_size, replicate_size=s.replicate_size, compute_dtype=s.param_dtype)
+    timing = play(graph.ops, costs.duration)
+    memory = replay(graph.ops, graph.persistent, timing.start)
+    return StepResult(scenario, graph, timing, memory)

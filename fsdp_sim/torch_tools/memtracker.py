@@ -1,0 +1,495 @@
+"""Referee harness: PyTorch's own ``FSDPMemTracker`` on one rank of an FSDP2 job, on CPU.
+
+``run_fsdp_mem_tracker(cfg, world_size=..., batch=..., seq=..., ...)`` builds
+:class:`~fsdp_sim.torch_tools.reference_model.ReferenceTransformer` on ``meta`` inside a
+``FakeTensorMode``, applies ``fully_shard`` (FSDP2) on a 1-D mesh of a ``"fake"`` process group
+(rank 0 of ``world_size``), runs ``iterations`` full training steps (forward, fp32 cross-entropy,
+backward, optimizer step, ``zero_grad``) under ``FSDPMemTracker`` and reports the peak of the
+tracked bytes from the second iteration on, its per-category breakdown at the peak moment, and
+where it happened.  No real memory is allocated and no collective runs; FSDP2's own Python code
+(padding, mixed-precision casts, all-gather/reduce-scatter buffers, resharding, prefetch) runs
+unmodified.  See ``/work/shared/reference/fmt-on-cpu.md`` and ``docs/referee-measurements.md``.
+
+What this harness does beyond the stock recipe:
+
+* **First-step overcount.**  Under an outer ``FakeTensorMode`` DTensor's sharding propagation
+  (``ShardingPropagator._propagate_tensor_meta_non_cached``) runs each op on *global-shape* fake
+  tensors in the same fake mode, and the stock tracker counts them; they only show while DTensor's
+  propagation cache is cold (the first ``optimizer.step()``).  We skip every op dispatched inside
+  that function (``skip_dtensor_propagation=True``) *and* only compare from the second iteration
+  on: the tracker's peak is re-armed after iteration 0 (which also has no optimizer state yet).
+* **Peak breakdown.**  The tracker's ``"peak"`` snapshot is a copy of the *running* per-category
+  snapshot taken at the op where the total peaked, i.e. the categories *at the peak moment* (not
+  per-category maxima).  We record the same thing independently (and per-category maxima, and the
+  location) by hooking ``_update_peak_stats``, and cross-check the two.
+* **Where.**  The peak location is the iteration, phase (forward / loss / backward / optimizer),
+  the innermost active module, the tracker's internal ``_FSDPState`` and the last FSDP hook event
+  (``"<fsdp module>: <_FSDPModState>"``) before the op that set the peak.
+
+The module is importable without torch; calling :func:`run_fsdp_mem_tracker` without torch raises
+an ``ImportError`` that says to ``pip install fsdp-sim[torch]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+from functools import wraps
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .reference_model import ReferenceConfig
+
+__all__ = ["run_fsdp_mem_tracker", "CATEGORIES"]
+
+#: Category names as FSDPMemTracker spells them (``_FSDPRefType`` values), in display order.
+CATEGORIES = (
+    "Sharded Param",
+    "Unsharded Param",
+    "Buffer",
+    "Sharded Grad",
+    "Unsharded Grad",
+    "Activation",
+    "Temp",
+    "All Gather",
+    "Reduce Scatter",
+    "OptState",
+    "Inputs",
+)
+
+_TOTAL = "Total"
+_DTYPES = ("fp32", "bf16")
+
+
+def _import_torch():
+    try:
+        import torch  # noqa: F401
+        import torch.distributed  # noqa: F401
+        from torch.distributed._tools import fsdp2_mem_tracker  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            "fsdp_sim.torch_tools.memtracker needs PyTorch (with torch.distributed); "
+            "install it with `pip install fsdp-sim[torch]`"
+        ) from exc
+
+
+def _cat_dict(dev_snap: dict) -> dict[str, int]:
+    """Turn a tracker device snapshot (enum keys) into ``{category name: bytes}`` + Total."""
+    out = {c: 0 for c in CATEGORIES}
+    for k, v in dev_snap.items():
+        name = k if k == _TOTAL else getattr(k, "value", str(k))
+        out[name] = int(v)
+    out.setdefault(_TOTAL, sum(out[c] for c in CATEGORIES))
+    return out
+
+
+def _make_tracker_class():
+    """Build the FSDPMemTracker subclass lazily (so importing this module needs no torch)."""
+    import torch
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.tensor import DTensor
+
+    class _RefereeTracker(FSDPMemTracker):
+        """FSDPMemTracker + DTensor-propagation skip + peak-moment bookkeeping.
+
+        Recording happens in ``_update_peak_stats``, which the stock tracker calls after every
+        tracked op (the only point at which its peak can move).
+        """
+
+        def __init__(self, mod, optm, *, propagation_depth: threading.local, record_timeline: bool):
+            super().__init__(mod, optm)
+            self._prop = propagation_depth
+            self._record_timeline = record_timeline
+            self.skipped_ops = 0
+            self.skipped_bytes = 0
+            self.iteration = 0
+            self.phase = "forward"  # forward | loss | backward | optimizer | zero_grad
+            self.last_event = "start"
+            self.recompute_depth = 0  # >0 while a checkpointed block re-runs its forward in backward
+            self._last_func = None
+            self.window_active = False
+            self.window_peak = -1
+            self.window_peak_snap: dict[str, int] = {}
+            self.window_peak_where: dict[str, Any] = {}
+            self.window_cat_max: dict[str, int] = {}
+            self.timeline: list[dict[str, Any]] = []
+
+        # -- DTensor sharding-propagation skip -------------------------------------------------
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if getattr(self._prop, "depth", 0) > 0 and not any(t == DTensor for t in types):
+                res = func(*args, **(kwargs or {}))
+                for t in torch.utils._pytree.tree_leaves(res):
+                    if isinstance(t, torch.Tensor):
+                        self.skipped_ops += 1
+                        self.skipped_bytes += t.untyped_storage().nbytes()
+                return res
+            self._last_func = func
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        # -- FSDP hook events (for "where") -------------------------------------------------------
+        def _label(self, fsdp_mod) -> str:
+            return self._mod_tracker.get_known_fqn(fsdp_mod) or type(fsdp_mod).__name__
+
+        def _wrap_events(self, fsdp_mod, inner, before: str, after: str):
+            @wraps(inner)
+            def w(*args, **kwargs):
+                name = self._label(fsdp_mod)
+                self.last_event = f"{name}: {before}"
+                out = inner(*args, **kwargs)
+                self.last_event = f"{name}: {after}"
+                return out
+
+            return w
+
+        def _fsdp_state_pre_forward(self, fsdp_mod, orig):
+            inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+            return self._wrap_events(fsdp_mod, inner, "Before Pre-Forward", "After Pre-Forward")
+
+        def _fsdp_state_post_forward(self, fsdp_mod, orig):
+            inner = super()._fsdp_state_post_forward(fsdp_mod, orig)
+            return self._wrap_events(fsdp_mod, inner, "Before Post-Forward", "After Post-Forward")
+
+        def _fsdp_param_group_pre_backward(self, fsdp_mod, orig):
+            inner = super()._fsdp_param_group_pre_backward(fsdp_mod, orig)
+            return self._wrap_events(fsdp_mod, inner, "Before Pre-Backward", "After Pre-Backward")
+
+        def _fsdp_param_group_post_backward(self, fsdp_mod, orig):
+            inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig)
+            return self._wrap_events(fsdp_mod, inner, "Before Post-Backward", "After Post-Backward")
+
+        # -- peak bookkeeping ---------------------------------------------------------------------
+        def _where(self) -> dict[str, Any]:
+            parents = sorted(p for p in self._mod_tracker.parents if p != "Global")
+            innermost = max(parents, key=lambda p: (p.count("."), len(p))) if parents else "Global"
+            func = self._last_func
+            return {
+                "iteration": self.iteration,
+                "phase": "optimizer" if self._in_opt else self.phase,
+                "module": innermost,
+                "active_modules": parents,
+                "fsdp_state": self._fsdp_state.name,
+                "last_fsdp_event": self.last_event,
+                "op": str(func) if func is not None else None,
+                "in_ac_recompute": self.recompute_depth > 0,
+            }
+
+        def re_arm_peak(self) -> None:
+            """Forget the peak so far (tracker's and ours): measure from now on."""
+            self._peak_mem_snap = self.get_tracker_snapshot()
+            self._peak_mem = {d: s[_TOTAL] for d, s in self._peak_mem_snap.items()}
+            self.window_active = True
+            cur = self._current()
+            self.window_peak = cur[_TOTAL]
+            self.window_peak_snap = dict(cur)
+            self.window_peak_where = {"iteration": self.iteration, "phase": "window start"}
+            self.window_cat_max = dict(cur)
+
+        def _current(self) -> dict[str, int]:
+            snap = self._curr_mem_snap
+            if not snap:
+                return _cat_dict({})
+            if len(snap) != 1:
+                raise RuntimeError(f"expected one tracked device, got {list(snap)}")
+            return _cat_dict(next(iter(snap.values())))
+
+        def _update_peak_stats(self, peak_state) -> None:
+            super()._update_peak_stats(peak_state)
+            if not self.window_active:
+                return
+            cur = self._current()
+            for k, v in cur.items():
+                if v > self.window_cat_max.get(k, 0):
+                    self.window_cat_max[k] = v
+            if cur[_TOTAL] > self.window_peak:
+                self.window_peak = cur[_TOTAL]
+                self.window_peak_snap = dict(cur)
+                self.window_peak_where = self._where()
+            if self._record_timeline:
+                self.timeline.append({"where": self._where(), **cur})
+
+    return _RefereeTracker
+
+
+def _patch_sharding_propagation(depth: threading.local):
+    """Make ``_propagate_tensor_meta_non_cached`` bump ``depth.depth`` while it runs."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    orig = ShardingPropagator.__dict__["_propagate_tensor_meta_non_cached"]
+
+    @wraps(orig)
+    def patched(self, *args, **kwargs):
+        depth.depth = getattr(depth, "depth", 0) + 1
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            depth.depth -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = patched
+
+    def restore():
+        ShardingPropagator._propagate_tensor_meta_non_cached = orig
+
+    return restore
+
+
+def _patch_cuda_rounding():
+    """Make the tracker round every storage up to 512 B, as it does for ``cuda`` devices."""
+    import math
+
+    from torch.distributed._tools import mem_tracker as mt
+
+    orig = mt._WeakRefInfo._calculate_mem_consumed
+
+    def rounded(self):
+        mem = self.size * self.element_size
+        return math.ceil(mem / mt._PYTORCH_MIN_ALLOCATE) * mt._PYTORCH_MIN_ALLOCATE
+
+    mt._WeakRefInfo._calculate_mem_consumed = rounded
+
+    def restore():
+        mt._WeakRefInfo._calculate_mem_consumed = orig
+
+    return restore
+
+
+def _hook_recompute(model, fmt) -> None:
+    """Mark the tracker while a checkpointed block's forward re-runs inside backward.
+
+    (The FSDP unit is the ``CheckpointWrapper``; recomputation calls only the wrapped block, so the
+    stock tracker's ``_in_ac`` never turns on and recomputed tensors are labelled ``Temp``.)
+    """
+    import torch
+
+    def pre(_mod, _args):
+        if torch._C._current_graph_task_id() != -1:
+            fmt.recompute_depth += 1
+
+    def post(_mod, _args, _out):
+        if torch._C._current_graph_task_id() != -1:
+            fmt.recompute_depth -= 1
+
+    for block in model.layers:
+        inner = getattr(block, "_checkpoint_wrapped_module", None)
+        if inner is not None:
+            inner.register_forward_pre_hook(pre)
+            inner.register_forward_hook(post)
+
+
+def _module_snapshots(fmt) -> dict[str, dict[str, dict[str, int]]]:
+    """Per FSDP module, per ``_FSDPModState``: the (first) snapshot of the last tracked iteration."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for mod_stats in fmt.memory_tracking.values():
+        states: dict[str, dict[str, int]] = {}
+        for state, snaps in mod_stats.snapshots.items():
+            if snaps:
+                dev_snaps = list(snaps[0].values())
+                states[state.value] = _cat_dict(dev_snaps[0]) if dev_snaps else _cat_dict({})
+        out[mod_stats.mod_fqn] = states
+    return out
+
+
+def run_fsdp_mem_tracker(
+    cfg: ReferenceConfig,
+    *,
+    world_size: int,
+    batch: int,
+    seq: int,
+    wrap: str = "per_block",
+    reshard_after_forward: bool = True,
+    param_dtype: str = "bf16",
+    reduce_dtype: str = "fp32",
+    optimizer: str = "adamw",
+    activation_checkpointing: str = "none",
+    iterations: int = 2,
+    skip_dtensor_propagation: bool = True,
+    emulate_cuda_rounding: bool = False,
+    record_timeline: bool = False,
+    fake_tensors: bool = True,
+) -> dict[str, Any]:
+    """Run FSDPMemTracker on rank 0 of a ``world_size`` FSDP2 job (CPU, fake tensors, fake PG).
+
+    Args:
+        cfg: the model.
+        world_size, batch, seq: data-parallel size and the per-rank batch / sequence length.
+        wrap: ``'per_block'`` (``fully_shard`` each TransformerBlock, then the root) or
+            ``'whole_model'`` (``fully_shard`` the root only).
+        reshard_after_forward: for the non-root units; the root always uses FSDP's default
+            (``None`` -> ``False`` for the root).  Ignored for ``'whole_model'``.
+        param_dtype, reduce_dtype: ``'fp32'`` | ``'bf16'`` for ``MixedPrecisionPolicy``.
+        optimizer: ``'adamw'`` (AdamW, foreach=True, as on GPU) or ``'sgd'`` (momentum 0.9,
+            foreach=True).
+        activation_checkpointing: ``'none'`` or ``'full'`` (non-reentrant
+            ``torch.utils.checkpoint`` around each TransformerBlock via ``checkpoint_wrapper``,
+            applied before ``fully_shard``).
+        iterations: training steps to run (>= 2); the peak is measured from the second one on.
+        skip_dtensor_propagation: skip ops DTensor's sharding propagation runs on global-shape
+            fake tensors (they are not real memory).
+        emulate_cuda_rounding: round each storage up to 512 B as the tracker does on ``cuda``.
+        record_timeline: also return the running snapshot after every tracked op of the window.
+        fake_tensors: ``False`` runs on real (uninitialised) CPU tensors instead of
+            ``FakeTensorMode`` -- the cross-check for the fake-mode run; only for small models.
+
+    Returns a dict with ``peak_bytes``, ``peak_by_category`` (bytes per category at the moment of
+    the peak; sums to ``peak_bytes``), ``peak_where``, ``per_category_max`` (each category's own
+    maximum over the window), ``tracker_peak_snapshot`` (the tracker's own "peak" snapshot, same
+    moment), ``first_iteration_peak_bytes``, ``steady_state_bytes`` (after the last
+    ``zero_grad``), ``module_snapshots`` (per FSDP module, per ``_FSDPModState``, last iteration),
+    ``params`` (numbers of the model), ``dtensor_propagation_skipped`` and the run settings.
+    """
+    _import_torch()
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .reference_model import ReferenceTransformer, loss_fn
+
+    if wrap not in ("per_block", "whole_model"):
+        raise ValueError(f"wrap must be 'per_block' or 'whole_model', got {wrap!r}")
+    if param_dtype not in _DTYPES or reduce_dtype not in _DTYPES:
+        raise ValueError("param_dtype / reduce_dtype must be 'fp32' or 'bf16'")
+    if optimizer not in ("adamw", "sgd"):
+        raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
+    if activation_checkpointing not in ("none", "full"):
+        raise ValueError("activation_checkpointing must be 'none' or 'full'")
+    if iterations < 2:
+        raise ValueError("iterations must be >= 2 (the first iteration is not compared)")
+    dtype_of = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+
+    prop_depth = threading.local()
+    restores = []
+    gc_was_enabled = gc.isenabled()
+    try:
+        if skip_dtensor_propagation:
+            restores.append(_patch_sharding_propagation(prop_depth))
+        if emulate_cuda_rounding:
+            restores.append(_patch_cuda_rounding())
+        # "build_mesh has to happen outside of the FakeTensorMode" (torchtitan)
+        mesh = init_device_mesh("cpu", (world_size,))
+        tracker_cls = _make_tracker_class()
+
+        with FakeTensorMode() if fake_tensors else contextlib.nullcontext():
+            with torch.device("meta"):
+                model = ReferenceTransformer(cfg)
+            n_params = sum(p.numel() for p in model.parameters())
+            if activation_checkpointing == "full":
+                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                    CheckpointImpl,
+                    checkpoint_wrapper,
+                )
+
+                for i, block in enumerate(model.layers):
+                    model.layers[i] = checkpoint_wrapper(
+                        block,
+                        checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                        preserve_rng_state=False,
+                    )
+            mp = MixedPrecisionPolicy(
+                param_dtype=dtype_of[param_dtype], reduce_dtype=dtype_of[reduce_dtype]
+            )
+            if wrap == "per_block":
+                for block in model.layers:
+                    fully_shard(
+                        block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp
+                    )
+            fully_shard(model, mesh=mesh, mp_policy=mp)  # root: FSDP's default for the root
+            model.to_empty(device="cpu")
+
+            params = list(model.parameters())
+            if optimizer == "adamw":
+                optim = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+            else:
+                optim = torch.optim.SGD(params, lr=1e-2, momentum=0.9, foreach=True)
+
+            tokens = torch.randint(0, cfg.vocab, (batch, seq), device="cpu")
+            labels = torch.randint(0, cfg.vocab, (batch, seq), device="cpu")
+            model._get_fsdp_state()._lazy_init()
+
+            fmt = tracker_cls(
+                model, optim, propagation_depth=prop_depth, record_timeline=record_timeline
+            )
+            fmt.track_inputs((tokens, labels))
+            if activation_checkpointing == "full":
+                _hook_recompute(model, fmt)
+            first_iter_peak = None
+            with fmt:
+                for it in range(iterations):
+                    fmt.iteration = it
+                    gc.disable()
+                    fmt.phase = "forward"
+                    logits = model(tokens)
+                    fmt.phase = "loss"
+                    loss = loss_fn(logits, labels)
+                    del logits
+                    fmt.phase = "backward"
+                    loss.backward()
+                    fmt.phase = "optimizer"
+                    optim.step()
+                    fmt.phase = "zero_grad"
+                    optim.zero_grad()
+                    del loss
+                    gc.enable()
+                    gc.collect()
+                    if it == 0:
+                        first_iter_peak = _cat_dict(
+                            next(iter(fmt.get_tracker_snapshot("peak").values()))
+                        )[_TOTAL]
+                        fmt.re_arm_peak()
+                    if it < iterations - 1:
+                        fmt.reset_mod_stats()  # root forward may run only once per stats window
+            steady = fmt._current()
+            tracker_peak = _cat_dict(next(iter(fmt.get_tracker_snapshot("peak").values())))
+            module_snaps = _module_snapshots(fmt)
+
+        if tracker_peak[_TOTAL] != fmt.window_peak or tracker_peak != fmt.window_peak_snap:
+            raise RuntimeError(
+                "internal check failed: tracker peak snapshot differs from the recorded one: "
+                f"{tracker_peak} vs {fmt.window_peak_snap}"
+            )
+        result: dict[str, Any] = {
+            "peak_bytes": fmt.window_peak,
+            "peak_by_category": {c: fmt.window_peak_snap[c] for c in CATEGORIES},
+            "peak_where": fmt.window_peak_where,
+            "per_category_max": {c: fmt.window_cat_max.get(c, 0) for c in CATEGORIES},
+            "tracker_peak_snapshot": tracker_peak,
+            "first_iteration_peak_bytes": first_iter_peak,
+            "steady_state_bytes": steady,
+            "module_snapshots": module_snaps,
+            "params": {"total": n_params},
+            "dtensor_propagation_skipped": {
+                "ops": fmt.skipped_ops,
+                "bytes": fmt.skipped_bytes,
+            },
+            "settings": {
+                "cfg": dict(vars(cfg)),
+                "world_size": world_size,
+                "batch": batch,
+                "seq": seq,
+                "wrap": wrap,
+                "reshard_after_forward": reshard_after_forward if wrap == "per_block" else None,
+                "param_dtype": param_dtype,
+                "reduce_dtype": reduce_dtype,
+                "optimizer": optimizer,
+                "activation_checkpointing": activation_checkpointing,
+                "iterations": iterations,
+                "emulate_cuda_rounding": emulate_cuda_rounding,
+                "fake_tensors": fake_tensors,
+            },
+        }
+        if record_timeline:
+            result["timeline"] = fmt.timeline
+        return result
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+        for restore in reversed(restores):
+            restore()
+        if dist.is_initialized():
+            dist.destroy_process_group()

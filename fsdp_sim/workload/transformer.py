@@ -1,0 +1,196 @@
+"""Build the workload of a decoder transformer from its dimensions.
+
+The byte counts come from listing, op by op, the tensors autograd saves in a pre-norm block
+(torchtitan / GPT-2 layout), not from a fitted constant. Two attention kernels are modelled:
+- `sdpa` (flash / memory-efficient SDPA, what PyTorch uses by default): saves q, k, v, the output and
+  the fp32 logsumexp; no (s x s) scores. Grouped-query k/v are expanded to all heads first
+  (`repeat_interleave`, as torchtitan and Hugging Face do), and the expanded copies are what is saved.
+- `eager` (explicit scores, softmax, dropout): the layout of Korthikanti et al. (2022), whose per-layer
+  total sbh(34 + 5as/h) the tests use as an oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fsdp_sim.dtypes import itemsize
+from fsdp_sim.errors import ScenarioError
+from fsdp_sim.workload.model import Module, Param, Workload
+
+NORM_STAT_TENSORS = {"rmsnorm": 1, "layernorm": 2}  # fp32 per-row statistics saved: rstd (+ mean)
+NORM_WEIGHTS = {"rmsnorm": 1, "layernorm": 2}  # weight (+ bias)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TransformerDims:
+    """Dimensions of a decoder-only transformer, in the names model cards use."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    vocab: int
+    mlp: str = "swiglu"
+    norm: str = "rmsnorm"
+    bias: bool = False
+    tie_embeddings: bool = False
+    learned_pos: bool = False
+    max_seq: int = 0
+    attention: str = "sdpa"
+    dropout: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("hidden", "layers", "heads", "vocab"):
+            if getattr(self, key) <= 0:
+                raise ScenarioError(f"model.{key}: must be a positive integer, got {getattr(self, key)}")
+        if self.hidden % self.heads:
+            raise ScenarioError(f"model.heads: {self.heads} does not divide model.hidden {self.hidden}")
+        if self.kv_heads is not None and (self.kv_heads <= 0 or self.heads % self.kv_heads):
+            raise ScenarioError(f"model.kv_heads: {self.kv_heads} must be positive and divide model.heads {self.heads}")
+        if self.ffn_hidden is not None and self.ffn_hidden <= 0:
+            raise ScenarioError(f"model.ffn_hidden: must be a positive integer, got {self.ffn_hidden}")
+        choices = {"mlp": ("gelu", "swiglu"), "norm": ("rmsnorm", "layernorm"), "attention": ("sdpa", "eager")}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ScenarioError(f"model.{key}: {getattr(self, key)!r} is not one of {list(allowed)}")
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def _linear(name: str, fan_in: int, fan_out: int, bias: bool) -> list[Param]:
+    params = [Param(f"{name}.weight", (fan_out, fan_in))]
+    if bias:
+        params.append(Param(f"{name}.bias", (fan_out,)))
+    return params
+
+
+def _norm(name: str, d: TransformerDims) -> list[Param]:
+    params = [Param(f"{name}.weight", (d.hidden,))]
+    if d.norm == "layernorm":
+        params.append(Param(f"{name}.bias", (d.hidden,)))
+    return params
+
+
+def block_params(d: TransformerDims, prefix: str) -> list[Param]:
+    h, kvd = d.hidden, d.kv * d.head_dim
+    params = _norm(f"{prefix}.attention_norm", d)
+    for proj, out in (("wq", h), ("wk", kvd), ("wv", kvd)):
+        params += _linear(f"{prefix}.attention.{proj}", h, out, d.bias)
+    params += _linear(f"{prefix}.attention.wo", h, h, d.bias)
+    params += _norm(f"{prefix}.ffn_norm", d)
+    ff = f"{prefix}.feed_forward"
+    if d.mlp == "swiglu":
+        params += _linear(f"{ff}.w1", h, d.ffn, d.bias) + _linear(f"{ff}.w3", h, d.ffn, d.bias)
+    else:
+        params += _linear(f"{ff}.w1", h, d.ffn, d.bias)
+    params += _linear(f"{ff}.w2", d.ffn, h, d.bias)
+    return params
+
+
+@dataclass(frozen=True, slots=True)
+class BlockActivations:
+    """Bytes one block keeps for backward (excluding its input and output) and its transient peaks."""
+
+    saved: int
+    fwd_temp: int
+    bwd_temp: int
+
+
+def block_activations(d: TransformerDims, b: int, s: int, p: int) -> BlockActivations:
+    """Op-by-op list of what a pre-norm block saves; `p` is the activation dtype's size in bytes."""
+    tok = b * s
+    h, f, a = d.hidden, d.ffn, d.heads
+    stats = NORM_STAT_TENSORS[d.norm] * tok * 4
+    bsh = tok * h * p
+    mask_h = tok * h if d.dropout else 0  # dropout masks are bool: one byte per element
+    dropout_out_h = bsh if d.dropout else 0
+    # attention
+    saved = stats + bsh  # attention_norm statistics; its output, saved by wq/wk/wv
+    if d.attention == "sdpa":
+        saved += 3 * bsh  # q and (expanded) k, v saved by SDPA
+        saved += bsh + b * a * s * 4  # SDPA output and fp32 logsumexp
+        scores = 0
+    else:
+        scores = b * a * s * s * p
+        saved += 2 * bsh  # q, k saved by q @ k^T
+        saved += scores  # softmax output, saved by softmax (and by attn @ v when no dropout)
+        if d.dropout:
+            saved += b * a * s * s + scores  # dropout mask and output (saved by attn @ v)
+        saved += bsh  # v, saved by attn @ v
+    saved += bsh  # contiguous (b, s, h) attention output, saved by wo
+    saved += mask_h  # attention-output dropout mask
+    saved += bsh + stats  # residual h = x + attn (saved by ffn_norm) and ffn_norm statistics
+    saved += bsh  # ffn_norm output, saved by w1 (and w3)
+    bsf = tok * f * p
+    if d.mlp == "swiglu":
+        saved += 4 * bsf  # w1 out (silu), silu out and w3 out (mul), product (w2)
+    else:
+        saved += 2 * bsf  # w1 out (gelu), gelu out (w2)
+    saved += mask_h  # MLP-output dropout mask
+    # transients: the largest tensor created and dropped inside the block's forward
+    kv_before_expand = 2 * tok * d.kv * d.head_dim * p if d.kv != d.heads else 0
+    fwd_temp = max(scores, kv_before_expand, bsh + dropout_out_h)
+    # backward: the gradients of the largest intermediates live together with their producers' grads
+    bwd_temp = max(3 * bsf if d.mlp == "swiglu" else 2 * bsf, 2 * scores, 4 * bsh)
+    return BlockActivations(saved=saved, fwd_temp=fwd_temp, bwd_temp=bwd_temp)
+
+
+def build_transformer(d: TransformerDims, *, micro_batch: int, seq_len: int, act_dtype: str, name: str) -> Workload:
+    """The workload of one forward/backward of a decoder LM with a cross-entropy loss on fp32 logits."""
+    if micro_batch <= 0 or seq_len <= 0:
+        raise ScenarioError(f"training: micro_batch and seq_len must be positive, got {micro_batch}, {seq_len}")
+    if d.learned_pos and seq_len > d.max_seq:
+        raise ScenarioError(f"training.seq_len: {seq_len} exceeds the model's max_seq {d.max_seq}")
+    b, s, p = micro_batch, seq_len, itemsize(act_dtype)
+    tok, h, v = b * s, d.hidden, d.vocab
+    bsh = tok * h * p
+    modules: list[Module] = []
+
+    emb = [Param("tok_embeddings.weight", (v, h))]
+    if d.learned_pos:
+        emb.append(Param("pos_embeddings.weight", (d.max_seq, h)))
+    modules.append(Module("tok_embeddings", "embedding", tuple(emb), fwd_hbm_bytes=2 * bsh,
+                          output_bytes=bsh, saves_input=False))
+
+    act = block_activations(d, b, s, p)
+    for i in range(d.layers):
+        params = tuple(block_params(d, f"layers.{i}"))
+        matmul = 2 * tok * sum(pr.numel for pr in params if len(pr.shape) == 2)
+        attn_flops = 4 * b * s * s * h * (0.5 if d.attention == "sdpa" else 1.0)  # causal flash skips half
+        fwd = matmul + attn_flops
+        modules.append(Module(
+            f"layers.{i}", "block", params, fwd_flops=fwd, bwd_flops=2 * fwd,
+            fwd_hbm_bytes=2 * (act.saved + bsh), saved_bytes=act.saved, fwd_temp_bytes=act.fwd_temp,
+            bwd_temp_bytes=act.bwd_temp, output_bytes=bsh, is_block=True))
+
+    stats = NORM_STAT_TENSORS[d.norm] * tok * 4
+    modules.append(Module("norm", "norm", tuple(_norm("norm", d)), fwd_hbm_bytes=2 * bsh,
+                          saved_bytes=stats, output_bytes=bsh))
+    head_params = () if d.tie_embeddings else (Param("output.weight", (v, h)),)
+    logits = tok * v * p
+    head_flops = 2 * tok * h * v
+    tied = ("tok_embeddings.weight",) if d.tie_embeddings else ()
+    modules.append(Module("output", "head", head_params, tied_params=tied, fwd_flops=head_flops, bwd_flops=2 * head_flops,
+                          fwd_hbm_bytes=logits, output_bytes=logits))
+    fp32_logits = tok * v * 4
+    cast_copy = fp32_logits if p != 4 else 0  # logits.float() is a no-op on fp32 logits
+    modules.append(Module(
+        "loss", "loss", fwd_hbm_bytes=3 * fp32_logits, saved_bytes=fp32_logits,  # log_softmax output
+        fwd_temp_bytes=cast_copy, bwd_temp_bytes=fp32_logits + cast_copy, output_bytes=4,
+        saves_input=False, in_model=False))
+
+    n_params = sum(m.numel for m in modules)
+    model_flops = (6 * n_params + 12 * d.layers * h * s) * tok  # torchtitan's flop_per_token x tokens
+    return Workload(name=name, modules=tuple(modules), activation_dtype=act_dtype,
+                    input_bytes=2 * tok * 8, tokens=tok, model_flops=float(model_flops))
