@@ -76,10 +76,7 @@ class Scenario:
 _DIM_KEYS = {f.name for f in fields(TransformerDims)}
 
 
-def _model_dims(raw) -> tuple[str, TransformerDims]:
-    if isinstance(raw, str):
-        raw = {"preset": raw}
-    raw = _expect("model", raw)
+def _model_dims(raw: dict) -> tuple[str, TransformerDims]:
     _check_keys("model", raw, _DIM_KEYS | {"preset"})
     preset = _get("model", raw, "preset", str, None)
     overrides = {k: v for k, v in raw.items() if k != "preset"}
@@ -96,12 +93,33 @@ def _model_dims(raw) -> tuple[str, TransformerDims]:
     return "custom", TransformerDims(**overrides)
 
 
-def parse_scenario(data: Any, name: str = "scenario") -> Scenario:
+def _workload(model: dict, *, micro_batch: int, seq_len: int, act_dtype: str, base: Path) -> Workload:
+    """The model section as a workload: a Hugging Face config.json, a workload file, or dimensions."""
+    sources = [k for k in ("hf_config", "workload") if k in model]
+    if sources:
+        if len(model) > 1:
+            other = sorted(set(model) - {sources[0]})[0]
+            raise ScenarioError(f"model.{other}: not allowed beside model.{sources[0]}")
+        path = _get("model", model, sources[0], str)
+        path = Path(path) if Path(path).is_absolute() else base / path
+        if sources[0] == "hf_config":
+            from fsdp_sim.workload.hf_config import build_from_hf_config
+            return build_from_hf_config(path, micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype)
+        from fsdp_sim.workload.io import load_workload
+        return load_workload(path)
+    name, dims = _model_dims(model)
+    return build_transformer(dims, micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype, name=name)
+
+
+def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) -> Scenario:
+    """Check and resolve scenario data; relative file paths inside it are taken from `base`."""
+    base = base or Path.cwd()
     data = _expect("scenario", data)
     _check_keys("scenario", data, {"name", "model", "training", "hardware", "fsdp", "report"})
     if "model" not in data:
-        raise ScenarioError("model: missing (a preset name or transformer dimensions)")
-    model_name, dims = _model_dims(data["model"])
+        raise ScenarioError("model: missing (a preset name, transformer dimensions, hf_config or workload)")
+    model = data["model"]
+    model = _expect("model", {"preset": model} if isinstance(model, str) else model)
 
     training = _expect("training", data.get("training"))
     _check_keys("training", training, {"micro_batch", "seq_len", "optimizer", "activation_checkpointing"})
@@ -120,7 +138,7 @@ def parse_scenario(data: Any, name: str = "scenario") -> Scenario:
 
     fsdp = _expect("fsdp", data.get("fsdp"))
     _check_keys("fsdp", fsdp, {"version", "wrap", "blocks_per_unit", "min_params", "sharding_strategy",
-                               "shard_size", "reshard_after_forward", "mixed_precision"})
+                               "shard_size", "reshard_after_forward", "backward_prefetch", "mixed_precision"})
     version = _get("fsdp", fsdp, "version", int, 2, choices=(2,))
     del version  # FSDP1 mode is not modelled yet; only 2 is accepted
     wrap = _get("fsdp", fsdp, "wrap", str, "per_block", choices=POLICIES)
@@ -132,6 +150,7 @@ def parse_scenario(data: Any, name: str = "scenario") -> Scenario:
     if raf is not None and "sharding_strategy" in fsdp and raf != reshard:
         raise ScenarioError(f"fsdp.reshard_after_forward: {raf} contradicts sharding_strategy {strategy} (which implies {reshard})")
     reshard = reshard if raf is None else raf
+    backward_prefetch = _get("fsdp", fsdp, "backward_prefetch", bool, True)
     shard_size = {"1d": world, "2d": gpn, "replicate": 1}[mesh]
     shard_size = _get("fsdp", fsdp, "shard_size", int, shard_size, positive=True)
     if world % shard_size:
@@ -150,11 +169,11 @@ def parse_scenario(data: Any, name: str = "scenario") -> Scenario:
     if not 0 <= margin < 1:
         raise ScenarioError(f"report.safety_margin: {margin} must be in [0, 1)")
 
-    workload = build_transformer(dims, micro_batch=micro_batch, seq_len=seq_len, act_dtype=param_dtype, name=model_name)
+    workload = _workload(model, micro_batch=micro_batch, seq_len=seq_len, act_dtype=param_dtype, base=base)
     units = make_units(workload, wrap, k=k, min_params=min_params)
     settings = FSDPSettings(shard_size=shard_size, replicate_size=world // shard_size, reshard_after_forward=reshard,
                             param_dtype=param_dtype, reduce_dtype=reduce_dtype, optimizer=optimizer,
-                            activation_checkpointing=ac == "full")
+                            activation_checkpointing=ac == "full", backward_prefetch=backward_prefetch)
     return Scenario(name=_get("scenario", data, "name", str, name), workload=workload, units=units, cluster=cluster,
                     settings=settings, wrap=wrap, sharding_strategy=strategy, safety_margin=margin)
 
@@ -167,4 +186,4 @@ def load_scenario(path: str | Path) -> Scenario:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ScenarioError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-    return parse_scenario(data, name=path.stem)
+    return parse_scenario(data, name=path.stem, base=path.parent)

@@ -112,7 +112,7 @@ class FSDP2Runtime:
         # default backward prefetch: the unit before this one in post-forward order, issued before
         # this unit's gradient kernels (FSDP1's BACKWARD_PRE)
         index = self.post_forward_order.index(u)
-        if index > 0:
+        if index > 0 and self.s.backward_prefetch:
             target = self.post_forward_order[index - 1]
             self.g.unit = target.name
             self.unshard(target)

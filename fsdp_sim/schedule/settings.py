@@ -20,7 +20,8 @@ class FSDPSettings:
 
     `shard_size` ranks hold one copy sharded; `replicate_size` copies exist (HSDP, or DDP-like when
     `shard_size` is 1). Parameters are stored in `storage_dtype`, unsharded and computed in
-    `param_dtype`, reduced in `reduce_dtype`.
+    `param_dtype`, reduced in `reduce_dtype`. `backward_prefetch=False` is FSDP2's
+    `set_modules_to_backward_prefetch([])` on every unit: each unit all-gathers in its own pre-backward.
     """
 
     shard_size: int
@@ -31,6 +32,7 @@ class FSDPSettings:
     storage_dtype: str = "fp32"
     optimizer: str = "adamw"
     activation_checkpointing: bool = False
+    backward_prefetch: bool = True
 
     @property
     def param_bytes(self) -> int:
