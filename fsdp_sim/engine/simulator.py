@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import simpy
 
-from fsdp_sim.schedule.ops import COLLECTIVES, Op
+from fsdp_sim.schedule.ops import COLLECTIVES, TIMED_KINDS, Op
 
 
 @dataclass(slots=True)
@@ -67,8 +67,7 @@ class _Player:
                     yield self._wait(op.id)
                 continue
             self.start[op.id] = env.now
-            dur = self.duration(op)
-            if dur > 0:
+            if op.kind in TIMED_KINDS and (dur := self.duration(op)) > 0:
                 yield env.timeout(dur)
             self._finish(op.id)
 
@@ -86,7 +85,7 @@ class _Player:
 
 
 def play(ops: list[Op], duration: Callable[[Op], float]) -> Timing:
-    """Simulate `ops` (issue order) with `duration(op)` seconds each; return every op's start/end."""
+    """Simulate `ops` (issue order); `duration(op)` prices timed ops, the rest (alloc, free) take no time."""
     player = _Player(ops, duration)
     streams: dict[str, list[Op]] = {}
     lanes: dict[str, list[Op]] = {}

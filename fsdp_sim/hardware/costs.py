@@ -29,8 +29,13 @@ class OpCosts:
         }
 
     def compute_time(self, flops: float, hbm_bytes: float) -> float:
-        """Roofline: the slower of matmul throughput and HBM traffic."""
-        return max(flops / self.matmul_flops, hbm_bytes / self.gpu.hbm_bandwidth_Bps)
+        """Matmul FLOPs at the achievable rate plus elementwise traffic at HBM bandwidth.
+
+        A module is a sequence of kernels on one stream: its matmuls are compute-bound and its norms,
+        activations and residual adds are memory-bound, and they do not overlap each other, so the
+        two times add (a roofline `max` would hide the elementwise kernels behind the matmuls).
+        """
+        return flops / self.matmul_flops + hbm_bytes / self.gpu.hbm_bandwidth_Bps
 
     def duration(self, op: Op) -> float:
         kind = op.kind

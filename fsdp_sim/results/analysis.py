@@ -72,10 +72,14 @@ class StepResult:
         start, end = self.timing.start, self.timing.end
         return [(float(start[op.id]), float(end[op.id])) for op in self.graph.ops if pred(op)]
 
+    def _compute_busy(self) -> list[tuple[float, float]]:
+        """Merged intervals when the compute stream runs a kernel (compute or copy)."""
+        return _merge(self._intervals(lambda op: op.stream == "compute" and op.kind in ("compute", "copy")))
+
     def communication(self) -> dict:
         s = self.scenario.settings
         comm = self._intervals(lambda op: op.kind in COLLECTIVES)
-        busy = _merge(self._intervals(lambda op: op.stream == "compute" and op.kind in ("compute", "copy")))
+        busy = self._compute_busy()
         total = sum(b - a for a, b in comm)
         comm_merged = _merge(comm)
         exposed = _length(comm_merged) - _intersection(comm_merged, busy)
@@ -89,7 +93,7 @@ class StepResult:
                 "overlap_fraction": 1 - exposed / total if total > 0 else 1.0}
 
     def compute(self) -> dict:
-        busy = _length(_merge(self._intervals(lambda op: op.stream == "compute" and op.kind in ("compute", "copy"))))
+        busy = _length(self._compute_busy())
         gpu = self.scenario.cluster.gpu
         peak = gpu.flops(self.scenario.settings.param_dtype)
         mfu = self.scenario.workload.model_flops / (self.step_time_s * peak) if self.step_time_s > 0 else 0.0

@@ -44,6 +44,10 @@ class FSDP2Runtime:
         self.grad_output: Buffer | None = None
         self.activation_bytes = itemsize(workload.activation_dtype)
         self.params_by_name = {p.name: p for p in workload.params}
+        # per-rank shard sizes, computed once: every hook asks for them
+        self.shard = {u.name: u.shard_numel(settings.shard_size) for u in units}
+        self.trainable_shard = {u.name: u.shard_numel(settings.shard_size, trainable_only=True) for u in units}
+        self.post_forward_index: dict[str, int] = {}
 
     # ---- the step -------------------------------------------------------------------------
     def build(self) -> OpGraph:
@@ -81,8 +85,8 @@ class FSDP2Runtime:
         for u in self.units:
             g.unit = u.name
             if u.params:
-                g.persistent_alloc(f"{u.name} sharded params", "sharded_params", u.shard_numel(s.shard_size) * s.storage_bytes)
-            trainable = u.shard_numel(s.shard_size, trainable_only=True)
+                g.persistent_alloc(f"{u.name} sharded params", "sharded_params", self.shard[u.name] * s.storage_bytes)
+            trainable = self.trainable_shard[u.name]
             if trainable and OPTIMIZER_STATES[s.optimizer]:
                 g.persistent_alloc(f"{u.name} {s.optimizer} states", "optimizer_states",
                                    OPTIMIZER_STATES[s.optimizer] * trainable * 4)
@@ -102,6 +106,7 @@ class FSDP2Runtime:
             # the root's post-forward releases the last forward all-gather output
             self.g.free(COMPUTE, self.all_gather_state[0])
             self.all_gather_state = None
+        self.post_forward_index[u.name] = len(self.post_forward_order)
         self.post_forward_order.append(u)
 
     def pre_backward(self, u: Unit) -> None:
@@ -111,7 +116,7 @@ class FSDP2Runtime:
             self.wait_for_unshard(u, in_forward=False)
         # default backward prefetch: the unit before this one in post-forward order, issued before
         # this unit's gradient kernels (FSDP1's BACKWARD_PRE)
-        index = self.post_forward_order.index(u)
+        index = self.post_forward_index[u.name]
         if index > 0 and self.s.backward_prefetch:
             target = self.post_forward_order[index - 1]
             self.g.unit = target.name
@@ -139,7 +144,7 @@ class FSDP2Runtime:
         if not u.params or self.unsharded[u.name] is not None or u.name in self.pending_all_gather:
             return
         s, g = self.s, self.g
-        shard = u.shard_numel(s.shard_size)
+        shard = self.shard[u.name]
         # with a param_dtype, the fp32 shards are first cast into one flat low-precision temporary
         cast = s.param_dtype != s.storage_dtype
         temp = g.alloc(COPY_IN, f"{u.name} all-gather copy-in cast", "temporaries", shard * s.param_bytes) if cast else None
@@ -180,7 +185,7 @@ class FSDP2Runtime:
             # the compute stream waits the previous reduce-scatter, then drops its input
             prev, prev_event = self.reduce_scatter_state
             g.free(COMPUTE, prev, deps=(prev_event,))
-        shard = u.shard_numel(s.shard_size, trainable_only=True)
+        shard = self.trainable_shard[u.name]
         rs_in = g.alloc(COMPUTE, f"{u.name} reduce-scatter input", "reduce_scatter_buffers", shard * s.shard_size * s.reduce_bytes)
         grads = [self.unsharded_grads.pop(p.name) for p in u.params if p.name in self.unsharded_grads]
         copy_in = g.add("copy", COMPUTE, f"{u.name} reduce-scatter copy-in",
@@ -255,7 +260,7 @@ class FSDP2Runtime:
         """foreach optimizer step on the sharded fp32 parameters, then zero_grad(set_to_none=True)."""
         g, s = self.g, self.s
         g.phase, g.unit = "optimizer", ""
-        numel = sum(u.shard_numel(s.shard_size, trainable_only=True) for u in self.units)
+        numel = sum(self.trainable_shard.values())
         temps = OPTIMIZER_STEP_TEMPS[s.optimizer] * numel * 4
         temp = g.alloc(COMPUTE, f"{s.optimizer}.step temporaries", "optimizer_states", temps, deps=(last_reduce,)) if temps else None
         g.add("compute", COMPUTE, f"{s.optimizer}.step", deps=(last_reduce,), hbm_bytes=OPTIMIZER_STEP_TRAFFIC[s.optimizer] * numel)

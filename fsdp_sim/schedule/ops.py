@@ -63,8 +63,8 @@ class OpGraph:
 
     def add(self, kind: str, stream: str, name: str, *, deps=(), flops=0.0, hbm_bytes=0.0,
             comm_bytes=0.0, group="", buffer=None) -> Op:
-        op = Op(len(self.ops), kind, stream, name, self.unit, self.phase, tuple(d.id for d in deps if d is not None),
-                flops, hbm_bytes, comm_bytes, group, buffer)
+        ids = tuple([d.id for d in deps if d is not None]) if deps else ()
+        op = Op(len(self.ops), kind, stream, name, self.unit, self.phase, ids, flops, hbm_bytes, comm_bytes, group, buffer)
         self.ops.append(op)
         return op
 

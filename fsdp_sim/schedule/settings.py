@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fsdp_sim.dtypes import itemsize
 
@@ -34,14 +34,12 @@ class FSDPSettings:
     activation_checkpointing: bool = False
     backward_prefetch: bool = True
 
-    @property
-    def param_bytes(self) -> int:
-        return itemsize(self.param_dtype)
+    param_bytes: int = field(init=False)
+    reduce_bytes: int = field(init=False)
+    storage_bytes: int = field(init=False)
 
-    @property
-    def reduce_bytes(self) -> int:
-        return itemsize(self.reduce_dtype)
-
-    @property
-    def storage_bytes(self) -> int:
-        return itemsize(self.storage_dtype)
+    def __post_init__(self) -> None:
+        # element sizes, fixed once: the schedule asks for them on every op
+        object.__setattr__(self, "param_bytes", itemsize(self.param_dtype, "fsdp.mixed_precision.param_dtype"))
+        object.__setattr__(self, "reduce_bytes", itemsize(self.reduce_dtype, "fsdp.mixed_precision.reduce_dtype"))
+        object.__setattr__(self, "storage_bytes", itemsize(self.storage_dtype))
