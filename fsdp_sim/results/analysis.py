@@ -8,7 +8,7 @@ them. That is a lower bound: fragmentation inside a pool is not modelled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -62,27 +62,33 @@ class StepResult:
     graph: OpGraph
     timing: Timing
     memory: MemoryTrace
+    _activity_cache: tuple | None = field(default=None, init=False, repr=False)
 
     # ---- time ------------------------------------------------------------------------
     @property
     def step_time_s(self) -> float:
         return self.timing.makespan
 
-    def _intervals(self, pred) -> list[tuple[float, float]]:
-        start, end = self.timing.start, self.timing.end
-        return [(float(start[op.id]), float(end[op.id])) for op in self.graph.ops if pred(op)]
-
-    def _compute_busy(self) -> list[tuple[float, float]]:
-        """Merged intervals when the compute stream runs a kernel (compute or copy)."""
-        return _merge(self._intervals(lambda op: op.stream == "compute" and op.kind in ("compute", "copy")))
+    def _activity(self) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+        """(merged compute-stream kernel intervals, collective intervals), from one pass over the ops."""
+        if self._activity_cache is None:
+            start, end = self.timing.start.tolist(), self.timing.end.tolist()
+            busy, comm = [], []
+            for op in self.graph.ops:
+                if op.kind in COLLECTIVES:
+                    comm.append((start[op.id], end[op.id]))
+                elif op.stream == "compute" and (op.kind == "compute" or op.kind == "copy"):
+                    busy.append((start[op.id], end[op.id]))
+            self._activity_cache = (_merge(busy), comm)
+        return self._activity_cache
 
     def communication(self) -> dict:
         s = self.scenario.settings
-        comm = self._intervals(lambda op: op.kind in COLLECTIVES)
-        busy = self._compute_busy()
+        busy, comm = self._activity()
         total = sum(b - a for a, b in comm)
         comm_merged = _merge(comm)
-        exposed = _length(comm_merged) - _intersection(comm_merged, busy)
+        active = _length(comm_merged)
+        exposed = max(0.0, active - _intersection(comm_merged, busy))
         ring = {"shard": (s.shard_size - 1) / s.shard_size, "replicate": 2 * (s.replicate_size - 1) / s.replicate_size}
         moved = {k: 0.0 for k in COLLECTIVES}
         for op in self.graph.ops:
@@ -90,10 +96,11 @@ class StepResult:
                 moved[op.kind] += op.comm_bytes * ring[op.group]
         return {"all_gather_bytes": int(moved["all_gather"]), "reduce_scatter_bytes": int(moved["reduce_scatter"]),
                 "all_reduce_bytes": int(moved["all_reduce"]), "total_s": total, "exposed_s": exposed,
-                "overlap_fraction": 1 - exposed / total if total > 0 else 1.0}
+                # the share of the time some collective runs that compute runs too
+                "overlap_fraction": min(1.0, max(0.0, 1 - exposed / active)) if active > 0 else 1.0}
 
     def compute(self) -> dict:
-        busy = _length(self._compute_busy())
+        busy = _length(self._activity()[0])
         gpu = self.scenario.cluster.gpu
         peak = gpu.flops(self.scenario.settings.param_dtype)
         mfu = self.scenario.workload.model_flops / (self.step_time_s * peak) if self.step_time_s > 0 else 0.0

@@ -25,15 +25,16 @@ class FSDP2Runtime:
     def __init__(self, workload: Workload, units: list[Unit], settings: FSDPSettings) -> None:
         self.wl, self.units, self.s = workload, units, settings
         self.g = OpGraph()
-        self.unit_of = {name: u for u in units for name in u.modules}
-        model = [m for m in workload.modules if m.in_model]
-        root = units[0]
-        # the root's hooks run around the whole model; an inner unit's around its own modules
-        self.first = {u.name: (model[0].name if u.is_root else u.modules[0]) for u in units}
-        self.last = {u.name: (model[-1].name if u.is_root else u.modules[-1]) for u in units}
-        self.root = root
+        # the root's hooks run around the whole model, an inner unit's around its own modules
+        self.root = units[0]
+        model = [m.name for m in workload.modules if m.in_model]
+        self.model_first, self.model_last = model[0], model[-1]
+        inner = [u for u in units if not u.is_root]
+        self.unit_of = {name: u for u in inner for name in u.modules}
+        self.first = {u.name: u.modules[0] for u in inner}
+        self.last = {u.name: u.modules[-1] for u in inner}
         self.unsharded: dict[str, Buffer | None] = {u.name: None for u in units}
-        self.pending_all_gather: dict[str, tuple[Buffer, Op]] = {}
+        self.pending_all_gather: dict[str, tuple[Buffer, Op] | None] = {}  # None: shard group of one
         self.all_gather_state: tuple[Buffer, Op] | None = None
         self.reduce_scatter_state: tuple[Buffer, Op] | None = None
         self.post_forward_order: list[Unit] = []
@@ -57,23 +58,31 @@ class FSDP2Runtime:
         inputs = g.alloc(COMPUTE, "batch (input ids, labels)", "inputs", self.wl.input_bytes)
         prev: Module | None = None
         for m in self.wl.modules:
-            unit = self.unit_of.get(m.name, self.root) if m.in_model else None
+            unit = self.unit_of.get(m.name)
+            if m.name == self.model_first:
+                self.pre_forward(self.root)
             if unit is not None and self.first[unit.name] == m.name:
                 self.pre_forward(unit)
             self.forward_compute(m, prev)
             if unit is not None and self.last[unit.name] == m.name:
                 self.post_forward(unit)
+            if m.name == self.model_last:
+                self.post_forward(self.root)
             prev = m
         g.phase = "backward"
         modules = list(self.wl.modules)
         for i in range(len(modules) - 1, -1, -1):
             m = modules[i]
-            unit = self.unit_of.get(m.name, self.root) if m.in_model else None
+            unit = self.unit_of.get(m.name)
+            if m.name == self.model_last:
+                self.pre_backward(self.root)
             if unit is not None and self.last[unit.name] == m.name:
                 self.pre_backward(unit)
             self.backward_compute(m, modules[i - 1] if i else None, modules[i + 1] if i + 1 < len(modules) else None)
             if unit is not None and self.first[unit.name] == m.name:
                 self.post_backward(unit)
+        # the root's inputs (token ids) need no gradient, so its post-backward runs in the final callback
+        self.post_backward(self.root)
         last_reduce = self.root_post_backward_final_callback()
         self.optimizer_step(last_reduce)
         g.free(COMPUTE, inputs)
@@ -145,6 +154,10 @@ class FSDP2Runtime:
             return
         s, g = self.s, self.g
         shard = self.shard[u.name]
+        if s.shard_size == 1:
+            # nothing to gather: wait_for_unshard copies each shard straight into its unsharded storage
+            self.pending_all_gather[u.name] = None
+            return
         # with a param_dtype, the fp32 shards are first cast into one flat low-precision temporary
         cast = s.param_dtype != s.storage_dtype
         temp = g.alloc(COPY_IN, f"{u.name} all-gather copy-in cast", "temporaries", shard * s.param_bytes) if cast else None
@@ -159,7 +172,13 @@ class FSDP2Runtime:
         if u.name not in self.pending_all_gather:
             return
         s, g = self.s, self.g
-        out, ag = self.pending_all_gather.pop(u.name)
+        pending = self.pending_all_gather.pop(u.name)
+        if pending is None:
+            nbytes = self.shard[u.name] * s.param_bytes
+            self.unsharded[u.name] = g.alloc(COMPUTE, f"{u.name} unsharded params", "unsharded_params", nbytes)
+            g.add("copy", COMPUTE, f"{u.name} copy shards to unsharded params", hbm_bytes=2 * nbytes)
+            return
+        out, ag = pending
         # each parameter gets its own storage of its padded size, viewed at its true shape
         self.unsharded[u.name] = g.alloc(COMPUTE, f"{u.name} unsharded params", "unsharded_params", out.nbytes, deps=(ag,))
         copy_out = g.add("copy", COMPUTE, f"{u.name} all-gather copy-out", deps=(ag,), hbm_bytes=2 * out.nbytes)
