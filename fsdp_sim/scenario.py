@@ -81,12 +81,15 @@ def _model_dims(raw: dict) -> tuple[str, TransformerDims]:
     preset = _get("model", raw, "preset", str, None)
     overrides = {k: v for k, v in raw.items() if k != "preset"}
     for key, value in overrides.items():
-        kind = bool if key in ("bias", "tie_embeddings", "learned_pos", "dropout") else str if key in ("mlp", "norm", "attention") else int
+        kind = bool if key in ("bias", "tie_embeddings", "learned_pos", "dropout") else str if key in ("mlp", "norm", "attention", "norm_impl") else int
         _get("model", overrides, key, kind)
     if preset is not None:
         if preset not in PRESETS:
             raise ScenarioError(f"model.preset: unknown preset {preset!r}, expected one of {sorted(PRESETS)}")
-        return preset, replace(PRESETS[preset], **overrides)
+        base = PRESETS[preset]
+        if {"hidden", "heads"} & overrides.keys() and base.head_dim == base.hidden // base.heads:
+            overrides.setdefault("head_dim", None)  # a derived head_dim follows the overridden hidden / heads
+        return preset, replace(base, **overrides)
     for key in ("hidden", "layers", "heads", "vocab"):
         if key not in overrides:
             raise ScenarioError(f"model.{key}: missing (required without a preset)")

@@ -254,18 +254,21 @@ class FSDP2Runtime:
         g, s = self.g, self.s
         if s.activation_checkpointing and m.is_block:
             self.forward_compute(m, prev, recompute=True)
-        grad_input = None
-        if prev is not None:
-            grad_input = g.alloc(COMPUTE, f"{m.name} grad input", "temporaries", self._scaled(prev.output_bytes))
-        for p in m.params + tuple(self.params_by_name[n] for n in m.tied_params):
-            if p.trainable and p.name not in self.unsharded_grads:
-                self.unsharded_grads[p.name] = g.alloc(COMPUTE, f"{p.name} unsharded grad", "unsharded_grads", p.numel * s.param_bytes)
+        # the transient moment first (it holds whatever gradients exist then); autograd releases
+        # each op's saved tensors as its backward runs, so by the end only what the backward leaves
+        # remains: the gradient w.r.t. the input and the parameters' unsharded gradients
         temp = g.alloc(COMPUTE, f"{m.name} backward temporaries", "temporaries", self._scaled(m.bwd_temp_bytes)) if m.bwd_temp_bytes else None
         g.add("compute", COMPUTE, f"{m.name} backward", flops=m.bwd_flops, hbm_bytes=2 * self._scaled(m.fwd_hbm_bytes))
         if temp is not None:
             g.free(COMPUTE, temp)
         if m.name in self.saved:
             g.free(COMPUTE, self.saved.pop(m.name))
+        grad_input = None
+        if prev is not None:
+            grad_input = g.alloc(COMPUTE, f"{m.name} grad input", "temporaries", self._scaled(prev.output_bytes))
+        for p in m.params + tuple(self.params_by_name[n] for n in m.tied_params):
+            if p.trainable and p.name not in self.unsharded_grads:
+                self.unsharded_grads[p.name] = g.alloc(COMPUTE, f"{p.name} unsharded grad", "unsharded_grads", p.numel * s.param_bytes)
         if self.grad_output is not None:
             g.free(COMPUTE, self.grad_output)
         if nxt is None:

@@ -22,9 +22,12 @@ What this harness does beyond the stock recipe:
   snapshot taken at the op where the total peaked, i.e. the categories *at the peak moment* (not
   per-category maxima).  We record the same thing independently (and per-category maxima, and the
   location) by hooking ``_update_peak_stats``, and cross-check the two.
-* **Where.**  The peak location is the iteration, phase (forward / loss / backward / optimizer),
-  the innermost active module, the tracker's internal ``_FSDPState`` and the last FSDP hook event
-  (``"<fsdp module>: <_FSDPModState>"``) before the op that set the peak.
+* **Where.**  ``peak_where`` gives the iteration, the phase (``forward`` / ``loss`` / ``backward`` /
+  ``optimizer`` / ``zero_grad``), the innermost module ModTracker reports active, the op that set
+  the peak, the tracker's internal ``_FSDPState``, the last FSDP hook event
+  (``"<unit>: in pre-backward"`` = inside FSDP's hook; ``"<unit>: after pre-backward"`` = the
+  unit's own compute that follows) and whether a checkpointed block was being recomputed.
+  During AC recomputation ModTracker still names the module whose *backward* was running.
 
 The module is importable without torch; calling :func:`run_fsdp_mem_tracker` without torch raises
 an ``ImportError`` that says to ``pip install fsdp-sim[torch]``.
@@ -106,7 +109,8 @@ def _make_tracker_class():
             self.iteration = 0
             self.phase = "forward"  # forward | loss | backward | optimizer | zero_grad
             self.last_event = "start"
-            self.recompute_depth = 0  # >0 while a checkpointed block re-runs its forward in backward
+            # > 0 while a checkpointed block re-runs its forward inside backward
+            self.recompute_depth = 0
             self._last_func = None
             self.window_active = False
             self.window_peak = -1
@@ -131,32 +135,34 @@ def _make_tracker_class():
         def _label(self, fsdp_mod) -> str:
             return self._mod_tracker.get_known_fqn(fsdp_mod) or type(fsdp_mod).__name__
 
-        def _wrap_events(self, fsdp_mod, inner, before: str, after: str):
+        def _wrap_events(self, fsdp_mod, inner, hook: str):
+            # "<unit>: in pre-backward" = inside FSDP's hook (unshard / prefetch / reshard /
+            # reduce-scatter); "<unit>: after pre-backward" = the unit's own compute that follows.
             @wraps(inner)
             def w(*args, **kwargs):
                 name = self._label(fsdp_mod)
-                self.last_event = f"{name}: {before}"
+                self.last_event = f"{name}: in {hook}"
                 out = inner(*args, **kwargs)
-                self.last_event = f"{name}: {after}"
+                self.last_event = f"{name}: after {hook}"
                 return out
 
             return w
 
         def _fsdp_state_pre_forward(self, fsdp_mod, orig):
             inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
-            return self._wrap_events(fsdp_mod, inner, "Before Pre-Forward", "After Pre-Forward")
+            return self._wrap_events(fsdp_mod, inner, "pre-forward")
 
         def _fsdp_state_post_forward(self, fsdp_mod, orig):
             inner = super()._fsdp_state_post_forward(fsdp_mod, orig)
-            return self._wrap_events(fsdp_mod, inner, "Before Post-Forward", "After Post-Forward")
+            return self._wrap_events(fsdp_mod, inner, "post-forward")
 
         def _fsdp_param_group_pre_backward(self, fsdp_mod, orig):
             inner = super()._fsdp_param_group_pre_backward(fsdp_mod, orig)
-            return self._wrap_events(fsdp_mod, inner, "Before Pre-Backward", "After Pre-Backward")
+            return self._wrap_events(fsdp_mod, inner, "pre-backward")
 
         def _fsdp_param_group_post_backward(self, fsdp_mod, orig):
             inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig)
-            return self._wrap_events(fsdp_mod, inner, "Before Post-Backward", "After Post-Backward")
+            return self._wrap_events(fsdp_mod, inner, "post-backward")
 
         # -- peak bookkeeping ---------------------------------------------------------------------
         def _where(self) -> dict[str, Any]:
@@ -273,11 +279,12 @@ def _hook_recompute(model, fmt) -> None:
         inner = getattr(block, "_checkpoint_wrapped_module", None)
         if inner is not None:
             inner.register_forward_pre_hook(pre)
-            inner.register_forward_hook(post)
+            # always_call: non-reentrant checkpoint stops the recomputation early by raising
+            inner.register_forward_hook(post, always_call=True)
 
 
 def _module_snapshots(fmt) -> dict[str, dict[str, dict[str, int]]]:
-    """Per FSDP module, per ``_FSDPModState``: the (first) snapshot of the last tracked iteration."""
+    """Per FSDP unit, per ``_FSDPModState``: the first snapshot of the last tracked iteration."""
     out: dict[str, dict[str, dict[str, int]]] = {}
     for mod_stats in fmt.memory_tracking.values():
         states: dict[str, dict[str, int]] = {}
@@ -330,12 +337,19 @@ def run_fsdp_mem_tracker(
         fake_tensors: ``False`` runs on real (uninitialised) CPU tensors instead of
             ``FakeTensorMode`` -- the cross-check for the fake-mode run; only for small models.
 
-    Returns a dict with ``peak_bytes``, ``peak_by_category`` (bytes per category at the moment of
-    the peak; sums to ``peak_bytes``), ``peak_where``, ``per_category_max`` (each category's own
-    maximum over the window), ``tracker_peak_snapshot`` (the tracker's own "peak" snapshot, same
-    moment), ``first_iteration_peak_bytes``, ``steady_state_bytes`` (after the last
-    ``zero_grad``), ``module_snapshots`` (per FSDP module, per ``_FSDPModState``, last iteration),
-    ``params`` (numbers of the model), ``dtensor_propagation_skipped`` and the run settings.
+    Returns a dict with
+
+    * ``peak_bytes``: the tracker's peak Total from iteration 1 on;
+    * ``peak_by_category``: bytes per category *at the moment of that peak* (sums to
+      ``peak_bytes``; identical to the tracker's own ``"peak"`` snapshot, checked);
+    * ``peak_where``: see the module docstring;
+    * ``per_category_max``: each category's own maximum over the same window (not simultaneous;
+      comm buffers briefly show as Activation/Temp before the tracker relabels them);
+    * ``tracker_peak_snapshot``, ``first_iteration_peak_bytes``, ``first_iteration`` (peak,
+      categories and where of iteration 0, which has no optimizer state yet);
+    * ``steady_state_bytes`` (after the last ``zero_grad``), ``module_snapshots`` (per FSDP unit,
+      per ``_FSDPModState``, last iteration), ``params``, ``dtensor_propagation_skipped``,
+      ``settings`` and, with ``record_timeline``, ``timeline``.
     """
     _import_torch()
     import torch
@@ -360,7 +374,12 @@ def run_fsdp_mem_tracker(
     dtype_of = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
     if dist.is_initialized():
-        dist.destroy_process_group()
+        if dist.get_backend() != "fake":
+            raise RuntimeError(
+                "a non-fake default process group is initialised; "
+                "run the referee in its own process"
+            )
+        dist.destroy_process_group()  # left over from an earlier (interrupted) run
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
 
     prop_depth = threading.local()
@@ -418,10 +437,12 @@ def run_fsdp_mem_tracker(
             fmt.track_inputs((tokens, labels))
             if activation_checkpointing == "full":
                 _hook_recompute(model, fmt)
-            first_iter_peak = None
+            first_iter: dict[str, Any] = {}
             with fmt:
+                fmt.re_arm_peak()
                 for it in range(iterations):
                     fmt.iteration = it
+                    fmt.recompute_depth = 0
                     gc.disable()
                     fmt.phase = "forward"
                     logits = model(tokens)
@@ -438,9 +459,11 @@ def run_fsdp_mem_tracker(
                     gc.enable()
                     gc.collect()
                     if it == 0:
-                        first_iter_peak = _cat_dict(
-                            next(iter(fmt.get_tracker_snapshot("peak").values()))
-                        )[_TOTAL]
+                        first_iter = {
+                            "peak_bytes": fmt.window_peak,
+                            "peak_by_category": {c: fmt.window_peak_snap[c] for c in CATEGORIES},
+                            "peak_where": fmt.window_peak_where,
+                        }
                         fmt.re_arm_peak()
                     if it < iterations - 1:
                         fmt.reset_mod_stats()  # root forward may run only once per stats window
@@ -459,7 +482,8 @@ def run_fsdp_mem_tracker(
             "peak_where": fmt.window_peak_where,
             "per_category_max": {c: fmt.window_cat_max.get(c, 0) for c in CATEGORIES},
             "tracker_peak_snapshot": tracker_peak,
-            "first_iteration_peak_bytes": first_iter_peak,
+            "first_iteration_peak_bytes": first_iter["peak_bytes"],
+            "first_iteration": first_iter,
             "steady_state_bytes": steady,
             "module_snapshots": module_snaps,
             "params": {"total": n_params},
@@ -489,6 +513,8 @@ def run_fsdp_mem_tracker(
     finally:
         if gc_was_enabled:
             gc.enable()
+        else:
+            gc.disable()
         for restore in reversed(restores):
             restore()
         if dist.is_initialized():

@@ -3,7 +3,7 @@
 ``ReferenceTransformer(cfg)`` has the module structure the simulator reasons about::
 
     tok_embeddings        nn.Embedding(vocab, hidden)
-    pos_embeddings        nn.Embedding(max_seq, hidden)      (only when cfg.learned_pos; GPT-2 style)
+    pos_embeddings        nn.Embedding(max_seq, hidden)   (only with cfg.learned_pos; GPT-2 style)
     layers                nn.ModuleList of TransformerBlock
         attention_norm    nn.RMSNorm / nn.LayerNorm
         attention         wq, wk, wv, wo  (GQA: k/v repeat_interleave'd up to `heads`)

@@ -39,18 +39,25 @@ class TransformerDims:
     max_seq: int = 0
     attention: str = "sdpa"
     dropout: bool = False
+    norm_impl: str = "fused"
+    head_dim: int | None = None  # per-head size; None means hidden // heads (Gemma sets its own)
 
     def __post_init__(self) -> None:
         for key in ("hidden", "layers", "heads", "vocab"):
             if getattr(self, key) <= 0:
                 raise ScenarioError(f"model.{key}: must be a positive integer, got {getattr(self, key)}")
-        if self.hidden % self.heads:
-            raise ScenarioError(f"model.heads: {self.heads} does not divide model.hidden {self.hidden}")
+        if self.head_dim is None:
+            if self.hidden % self.heads:
+                raise ScenarioError(f"model.heads: {self.heads} does not divide model.hidden {self.hidden}")
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        elif self.head_dim <= 0:
+            raise ScenarioError(f"model.head_dim: must be a positive integer, got {self.head_dim}")
         if self.kv_heads is not None and (self.kv_heads <= 0 or self.heads % self.kv_heads):
             raise ScenarioError(f"model.kv_heads: {self.kv_heads} must be positive and divide model.heads {self.heads}")
         if self.ffn_hidden is not None and self.ffn_hidden <= 0:
             raise ScenarioError(f"model.ffn_hidden: must be a positive integer, got {self.ffn_hidden}")
-        choices = {"mlp": ("gelu", "swiglu"), "norm": ("rmsnorm", "layernorm"), "attention": ("sdpa", "eager")}
+        choices = {"mlp": ("gelu", "swiglu"), "norm": ("rmsnorm", "layernorm"), "attention": ("sdpa", "eager"),
+                   "norm_impl": ("fused", "composite")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ScenarioError(f"model.{key}: {getattr(self, key)!r} is not one of {list(allowed)}")
@@ -64,8 +71,9 @@ class TransformerDims:
         return self.ffn_hidden or 4 * self.hidden
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def q_dim(self) -> int:
+        """Width of the attention's query/output projection: heads x head_dim (= hidden unless head_dim is set)."""
+        return self.heads * self.head_dim
 
 
 def _linear(name: str, fan_in: int, fan_out: int, bias: bool) -> list[Param]:
@@ -83,11 +91,11 @@ def _norm(name: str, d: TransformerDims) -> list[Param]:
 
 
 def block_params(d: TransformerDims, prefix: str) -> list[Param]:
-    h, kvd = d.hidden, d.kv * d.head_dim
+    h, qd, kvd = d.hidden, d.q_dim, d.kv * d.head_dim
     params = _norm(f"{prefix}.attention_norm", d)
-    for proj, out in (("wq", h), ("wk", kvd), ("wv", kvd)):
+    for proj, out in (("wq", qd), ("wk", kvd), ("wv", kvd)):
         params += _linear(f"{prefix}.attention.{proj}", h, out, d.bias)
-    params += _linear(f"{prefix}.attention.wo", h, h, d.bias)
+    params += _linear(f"{prefix}.attention.wo", qd, h, d.bias)
     params += _norm(f"{prefix}.ffn_norm", d)
     ff = f"{prefix}.feed_forward"
     if d.mlp == "swiglu":
@@ -99,38 +107,66 @@ def block_params(d: TransformerDims, prefix: str) -> list[Param]:
 
 
 @dataclass(frozen=True, slots=True)
+class NormSaves:
+    """What one normalization layer keeps for backward: its input or not, and its own extra bytes."""
+
+    keeps_input: bool
+    extra: int
+
+
+def norm_saves(d: TransformerDims, tok: int, p: int) -> NormSaves:
+    """Saved tensors of one norm over `tok` rows of `hidden`, by kernel.
+
+    - LayerNorm (`native_layer_norm`) and fused RMSNorm (`nn.RMSNorm` on CUDA, `_fused_rms_norm`) keep
+      their input and fp32 per-row statistics (mean and rstd, or rstd).
+    - Composite RMSNorm (Hugging Face's `LlamaRMSNorm`; `nn.RMSNorm` on the CPU) upcasts: it keeps the
+      fp32 input (a new copy when the input is 16-bit, the input itself when it is fp32), the fp32
+      normalized x * rstd for the weight gradient, and rstd.
+    """
+    if d.norm == "layernorm" or d.norm_impl == "fused":
+        return NormSaves(True, NORM_STAT_TENSORS[d.norm] * tok * 4)
+    fp32_copy = tok * d.hidden * 4 if p != 4 else 0
+    return NormSaves(p == 4, fp32_copy + tok * d.hidden * 4 + tok * 4)
+
+
+@dataclass(frozen=True, slots=True)
 class BlockActivations:
-    """Bytes one block keeps for backward (excluding its input and output) and its transient peaks."""
+    """Bytes one block keeps for backward (excluding its input and output), its transient peaks, and
+    whether it keeps its input (the previous block's output) alive until its backward."""
 
     saved: int
     fwd_temp: int
     bwd_temp: int
+    saves_input: bool
 
 
 def block_activations(d: TransformerDims, b: int, s: int, p: int) -> BlockActivations:
     """Op-by-op list of what a pre-norm block saves; `p` is the activation dtype's size in bytes."""
     tok = b * s
     h, f, a = d.hidden, d.ffn, d.heads
-    stats = NORM_STAT_TENSORS[d.norm] * tok * 4
+    norm = norm_saves(d, tok, p)
     bsh = tok * h * p
+    bsq = tok * d.q_dim * p  # q, (expanded) k, v and the attention output: bsh unless head_dim is set
     mask_h = tok * h if d.dropout else 0  # dropout masks are bool: one byte per element
     dropout_out_h = bsh if d.dropout else 0
     # attention
-    saved = stats + bsh  # attention_norm statistics; its output, saved by wq/wk/wv
+    saved = norm.extra + bsh  # attention_norm's own saves; its output, saved by wq/wk/wv
     if d.attention == "sdpa":
-        saved += 3 * bsh  # q and (expanded) k, v saved by SDPA
-        saved += bsh + b * a * s * 4  # SDPA output and fp32 logsumexp
+        saved += 3 * bsq  # q and (expanded) k, v saved by SDPA
+        # SDPA's output (stored (b, s, heads, head_dim), so the reshape into wo is a view that wo
+        # saves too) and its fp32 logsumexp
+        saved += bsq + b * a * s * 4
         scores = 0
     else:
         scores = b * a * s * s * p
-        saved += 2 * bsh  # q, k saved by q @ k^T
+        saved += 2 * bsq  # q, k saved by q @ k^T
         saved += scores  # softmax output, saved by softmax (and by attn @ v when no dropout)
         if d.dropout:
             saved += b * a * s * s + scores  # dropout mask and output (saved by attn @ v)
-        saved += bsh  # v, saved by attn @ v
-    saved += bsh  # contiguous (b, s, h) attention output, saved by wo
+        saved += bsq  # v, saved by attn @ v
+        saved += bsq  # attn @ v is (b, heads, s, head_dim): the (b, s, .) copy wo saves
     saved += mask_h  # attention-output dropout mask
-    saved += bsh + stats  # residual h = x + attn (saved by ffn_norm) and ffn_norm statistics
+    saved += (bsh if norm.keeps_input else 0) + norm.extra  # residual h = x + attn (kept by ffn_norm), ffn_norm's own
     saved += bsh  # ffn_norm output, saved by w1 (and w3)
     bsf = tok * f * p
     if d.mlp == "swiglu":
@@ -141,9 +177,13 @@ def block_activations(d: TransformerDims, b: int, s: int, p: int) -> BlockActiva
     # transients: the largest tensor created and dropped inside the block's forward
     kv_before_expand = 2 * tok * d.kv * d.head_dim * p if d.kv != d.heads else 0
     fwd_temp = max(scores, kv_before_expand, bsh + dropout_out_h)
-    # backward: the gradients of the largest intermediates live together with their producers' grads
-    bwd_temp = max(3 * bsf if d.mlp == "swiglu" else 2 * bsf, 2 * scores, 4 * bsh)
-    return BlockActivations(saved=saved, fwd_temp=fwd_temp, bwd_temp=bwd_temp)
+    # backward: the MLP's moment is at the activation's backward, after w2's: w2's weight gradient,
+    # the product's gradient and the gradients of the activation's inputs exist, while w2's saved
+    # input (the product / gelu output) is already released: +1 (gelu) or +2 (swiglu) ffn-sized tensors
+    mlp = (2 * bsf if d.mlp == "swiglu" else bsf) + h * f * p
+    attention = 2 * scores + 4 * max(bsh, bsq)  # grads of q, k, v and the output (and of the scores)
+    return BlockActivations(saved=saved, fwd_temp=fwd_temp, bwd_temp=max(mlp, attention),
+                            saves_input=norm.keeps_input)
 
 
 def build_transformer(d: TransformerDims, *, micro_batch: int, seq_len: int, act_dtype: str, name: str) -> Workload:
@@ -160,37 +200,41 @@ def build_transformer(d: TransformerDims, *, micro_batch: int, seq_len: int, act
     emb = [Param("tok_embeddings.weight", (v, h))]
     if d.learned_pos:
         emb.append(Param("pos_embeddings.weight", (d.max_seq, h)))
+    positions = 8 * s if d.learned_pos else 0  # int64 position ids, kept by the position embedding
     modules.append(Module("tok_embeddings", "embedding", tuple(emb), fwd_hbm_bytes=2 * bsh,
-                          output_bytes=bsh, saves_input=False))
+                          saved_bytes=positions, output_bytes=bsh, saves_input=False))
 
     act = block_activations(d, b, s, p)
     for i in range(d.layers):
         params = tuple(block_params(d, f"layers.{i}"))
         matmul = 2 * tok * sum(pr.numel for pr in params if len(pr.shape) == 2)
-        attn_flops = 4 * b * s * s * h * (0.5 if d.attention == "sdpa" else 1.0)  # causal flash skips half
+        attn_flops = 4 * b * s * s * d.q_dim * (0.5 if d.attention == "sdpa" else 1.0)  # causal flash skips half
         fwd = matmul + attn_flops
         modules.append(Module(
             f"layers.{i}", "block", params, fwd_flops=fwd, bwd_flops=2 * fwd,
             fwd_hbm_bytes=2 * (act.saved + bsh), saved_bytes=act.saved, fwd_temp_bytes=act.fwd_temp,
-            bwd_temp_bytes=act.bwd_temp, output_bytes=bsh, is_block=True))
+            bwd_temp_bytes=act.bwd_temp, output_bytes=bsh, saves_input=act.saves_input, is_block=True))
 
-    stats = NORM_STAT_TENSORS[d.norm] * tok * 4
+    final_norm = norm_saves(d, tok, p)
     modules.append(Module("norm", "norm", tuple(_norm("norm", d)), fwd_hbm_bytes=2 * bsh,
-                          saved_bytes=stats, output_bytes=bsh))
+                          saved_bytes=final_norm.extra, output_bytes=bsh, saves_input=final_norm.keeps_input))
     head_params = () if d.tie_embeddings else (Param("output.weight", (v, h)),)
     logits = tok * v * p
     head_flops = 2 * tok * h * v
     tied = ("tok_embeddings.weight",) if d.tie_embeddings else ()
     modules.append(Module("output", "head", head_params, tied_params=tied, fwd_flops=head_flops, bwd_flops=2 * head_flops,
                           fwd_hbm_bytes=logits, output_bytes=logits))
+    # cross_entropy(logits.float()): the fp32 copy (none when the logits are fp32 already) feeds
+    # log_softmax, whose fp32 output nll_loss keeps (with a 4-byte total weight); backward holds the
+    # gradients of the log-softmax output and of its input (two fp32 logits-sized tensors) next to it
     fp32_logits = tok * v * 4
-    cast_copy = fp32_logits if p != 4 else 0  # logits.float() is a no-op on fp32 logits
+    cast_copy = fp32_logits if p != 4 else 0
     modules.append(Module(
-        "loss", "loss", fwd_hbm_bytes=3 * fp32_logits, saved_bytes=fp32_logits,  # log_softmax output
-        fwd_temp_bytes=cast_copy, bwd_temp_bytes=fp32_logits + cast_copy, output_bytes=4,
+        "loss", "loss", fwd_hbm_bytes=3 * fp32_logits, saved_bytes=fp32_logits + 4,
+        fwd_temp_bytes=cast_copy, bwd_temp_bytes=2 * fp32_logits, output_bytes=4,
         saves_input=False, in_model=False))
 
     n_params = sum(m.numel for m in modules)
-    model_flops = (6 * n_params + 12 * d.layers * h * s) * tok  # torchtitan's flop_per_token x tokens
+    model_flops = (6 * n_params + 12 * d.layers * d.q_dim * s) * tok  # torchtitan's flop_per_token x tokens
     return Workload(name=name, modules=tuple(modules), activation_dtype=act_dtype,
                     input_bytes=2 * tok * 8, tokens=tok, model_flops=float(model_flops))

@@ -1,0 +1,313 @@
+"""A workload from a Hugging Face `config.json`, read as plain JSON (no `transformers` needed).
+
+Families (`model_type`):
+- decoders: llama, mistral, qwen2, gemma, phi3, gpt2, gpt_neox, and the mixture-of-experts mixtral and
+  qwen2_moe (see `moe.py`); built by `build_transformer` (`micro_batch` sequences of `seq_len` tokens);
+- vit: `ViTForImageClassification` (`micro_batch` images, sequence = patches + 1; see `vision.py`);
+- clip: `CLIPModel` with its contrastive loss (`seq_len` text tokens, at most the text tower's positions);
+- llava: CLIP vision tower, projector, and a decoder `text_config` over `seq_len` text tokens plus the
+  image tokens.
+
+Every key that sets a shape is required: a missing one raises `ScenarioError` naming it (configs saved
+by recent `transformers` list them all; older ones may leave class defaults out, which are not guessed
+here). Keys that only switch a feature (biases, tied embeddings, dropout) take the family's default.
+
+Gated MLPs (SwiGLU, Gemma's GeGLU, Phi-3's fused gate_up) save the same tensors whatever the activation.
+Modelled as their memory and FLOPs, not their exact kernels: GPT-NeoX's parallel residual is treated as
+sequential (one extra (b, s, h) tensor saved per block); Phi-3's fused qkv / gate_up projections are kept
+as separate parameters (same count, slightly different FSDP2 dim-0 padding); sliding-window attention
+is computed in full; rotary embeddings have no parameters.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from fsdp_sim.dtypes import itemsize
+from fsdp_sim.errors import ScenarioError
+from fsdp_sim.workload.model import Param, Workload
+from fsdp_sim.workload.moe import MoESpec, apply_moe
+from fsdp_sim.workload.transformer import TransformerDims, build_transformer
+from fsdp_sim.workload.vision import VisionDims, build_clip, build_llava, build_vit
+
+_MISSING = object()
+ATTN, MLP = ("wq", "wk", "wv", "wo"), ("w1", "w2", "w3")
+# family -> (gated MLP, norm, tie_word_embeddings default)
+DECODERS = {
+    "llama": ("swiglu", "rmsnorm", False), "mistral": ("swiglu", "rmsnorm", False),
+    "qwen2": ("swiglu", "rmsnorm", False), "gemma": ("swiglu", "rmsnorm", True),
+    "phi3": ("swiglu", "rmsnorm", False), "gpt2": ("gelu", "layernorm", True),
+    "gpt_neox": ("gelu", "layernorm", False), "mixtral": ("swiglu", "rmsnorm", False),
+    "qwen2_moe": ("swiglu", "rmsnorm", False),
+}
+SUPPORTED = sorted([*DECODERS, "vit", "clip", "llava"])
+
+
+class _Config:
+    """One (sub-)config mapping; its getters raise `ScenarioError` naming the key and the file."""
+
+    def __init__(self, data, where: str, source: str, model_type: str | None = None) -> None:
+        if not isinstance(data, dict):
+            raise ScenarioError(f"model.hf_config: {where.rstrip('.') or 'the file'} in {source} must be a JSON object")
+        self.data, self.where, self.source = data, where, source
+        self.model_type = model_type if model_type is not None else data.get("model_type")
+
+    def _find(self, names: tuple[str, ...], default):
+        for key in names:
+            if self.data.get(key) is not None:
+                return key, self.data[key]
+        if default is _MISSING:
+            alias = f" (or {', '.join(repr(self.where + n) for n in names[1:])})" if len(names) > 1 else ""
+            needed = f" (required for model_type {self.model_type!r})" if isinstance(self.model_type, str) else ""
+            raise ScenarioError(f"model.hf_config: {self.where + names[0]!r}{alias} missing in {self.source}{needed}")
+        return None, default
+
+    def int(self, *names: str, default=_MISSING, positive: bool = True):
+        key, value = self._find(names, default)
+        if key is None:
+            return value
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool) or (positive and value <= 0):
+            raise self.bad(key, f"a {'positive ' if positive else ''}integer", value)
+        return value
+
+    def float(self, *names: str, default=_MISSING) -> float:
+        key, value = self._find(names, default)
+        if key is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise self.bad(key, "a number", value)
+        return float(value)
+
+    def bool(self, *names: str, default=_MISSING) -> bool:
+        key, value = self._find(names, default)
+        if key is not None and not isinstance(value, bool):
+            raise self.bad(key, "true or false", value)
+        return value
+
+    def str(self, *names: str, default=_MISSING) -> str:
+        key, value = self._find(names, default)
+        if key is not None and not isinstance(value, str):
+            raise self.bad(key, "a string", value)
+        return value
+
+    def bad(self, key: str, expected: str, value) -> ScenarioError:
+        return ScenarioError(f"model.hf_config: {self.where + key!r} in {self.source} must be {expected}, "
+                             f"got {value!r}")
+
+    def reraise(self, exc: ScenarioError) -> ScenarioError:
+        """A dims check failed: say which file (and sub-config) it came from."""
+        where = f", {self.where.rstrip('.')}" if self.where else ""
+        return ScenarioError(f"model.hf_config ({self.source}{where}): {exc}")
+
+    def sub(self, key: str, model_type: str | None = None) -> _Config:
+        self._find((key,), _MISSING)
+        sub = _Config(self.data[key], f"{self.where}{key}.", self.source)
+        if model_type is not None and sub.model_type is None:
+            sub.model_type = model_type
+        return sub
+
+    def model_type_in(self, allowed) -> str:
+        mt = self.str("model_type") if self.model_type is None or "model_type" in self.data else self.model_type
+        if mt not in allowed:
+            raise ScenarioError(f"model.hf_config: {self.where + 'model_type'!r} {mt!r} in {self.source} is not "
+                                f"supported, expected one of {sorted(allowed)}")
+        return mt
+
+
+def load_hf_config(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ScenarioError(f"model.hf_config: file not found: {path}")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ScenarioError(f"model.hf_config: {path} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ScenarioError(f"model.hf_config: {path} must hold a JSON object")
+    return data
+
+
+def build_from_hf_config(path: str | Path, *, micro_batch: int, seq_len: int, act_dtype: str) -> Workload:
+    """The workload of one training step of the model a Hugging Face `config.json` describes."""
+    path = Path(path)
+    name = path.parent.name if path.stem == "config" else path.stem
+    return build_from_hf_dict(load_hf_config(path), micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype,
+                              name=name, source=path.name)
+
+
+def build_from_hf_dict(data: dict, *, micro_batch: int, seq_len: int, act_dtype: str, name: str = "hf",
+                       source: str = "config.json") -> Workload:
+    if micro_batch <= 0 or seq_len <= 0:
+        raise ScenarioError(f"training: micro_batch and seq_len must be positive, got {micro_batch}, {seq_len}")
+    itemsize(act_dtype)
+    c = _Config(data, "", source)
+    mt = c.model_type_in(SUPPORTED)
+    meta = {"source": "hf_config", "model_type": mt}
+    if mt in DECODERS:
+        wl = build_decoder(c, micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype, name=name)
+    elif mt == "vit":
+        v = vision_dims(c, "vit")
+        labels = c.int("num_labels", default=None) or (len(c.data["id2label"]) if c.data.get("id2label") else 1000)
+        wl = build_vit(v, num_labels=labels, micro_batch=micro_batch, act_dtype=act_dtype, name=name)
+    elif mt == "clip":
+        text = c.sub("text_config", "clip_text_model")
+        tdims = _clip_text_dims(text)
+        if seq_len > tdims.max_seq:
+            raise ScenarioError(f"training.seq_len: {seq_len} exceeds the CLIP text tower's max_position_embeddings "
+                                f"{tdims.max_seq} (text_config.max_position_embeddings)")
+        wl = build_clip(vision_dims(c.sub("vision_config", "clip_vision_model"), "clip"), tdims,
+                        projection_dim=c.int("projection_dim"), text_seq=seq_len, micro_batch=micro_batch,
+                        act_dtype=act_dtype, name=name)
+    else:
+        wl = _build_llava(c, micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype, name=name)
+    return replace(wl, meta={**meta, **wl.meta})
+
+
+# ---- decoders -------------------------------------------------------------------------------------
+def _check_heads(c: _Config, hidden: int, heads: int, kv: int | None, head_dim: int | None,
+                 keys=("hidden_size", "num_attention_heads"), *, decoder: bool = True) -> None:
+    """The attention's shape checks, worded with the config's own keys."""
+    if head_dim is None and hidden % heads:
+        hint = " (and no 'head_dim' is given)" if decoder else ""
+        raise ScenarioError(f"model.hf_config: {c.where + keys[1]!r} {heads} in {c.source} does not divide "
+                            f"{c.where + keys[0]!r} {hidden}{hint}")
+    if kv is not None and heads % kv:
+        raise ScenarioError(f"model.hf_config: {c.where + 'num_key_value_heads'!r} {kv} in {c.source} does not "
+                            f"divide {c.where + keys[1]!r} {heads}")
+
+
+def decoder_dims(c: _Config) -> tuple[TransformerDims, set[str], bool]:
+    """The dims, the linear layers that carry a bias (beyond `dims.bias`), and whether embeddings use dropout."""
+    mt = c.model_type
+    mlp, norm, tie_default = DECODERS[mt]
+    keys = ("n_embd", "n_layer", "n_head") if mt == "gpt2" else \
+        ("hidden_size", "num_hidden_layers", "num_attention_heads")
+    hidden, layers, heads = (c.int(k) for k in keys)
+    kv, head_dim = c.int("num_key_value_heads", default=None), c.int("head_dim", default=None)
+    _check_heads(c, hidden, heads, kv, head_dim, (keys[0], keys[2]))
+    ffn = c.int("n_inner", default=4 * hidden) if mt == "gpt2" else c.int("intermediate_size")
+    biases: set[str] = set()
+    if mt == "gpt2":
+        biases = {*ATTN, *MLP}
+    elif mt == "gpt_neox":
+        biases = {*MLP, *(ATTN if c.bool("attention_bias", default=True) else ())}
+    elif mt in ("qwen2", "qwen2_moe"):
+        biases = {"wq", "wk", "wv"}  # Qwen2Attention: bias on q/k/v only
+    elif mt in ("llama", "gemma", "mistral"):
+        biases = {*(ATTN if c.bool("attention_bias", default=False) else ()),
+                  *(MLP if c.bool("mlp_bias", default=False) else ())}
+    resid_dropout = {"gpt2": ("resid_pdrop", 0.1), "phi3": ("resid_pdrop", 0.0), "gpt_neox": ("hidden_dropout", 0.0)}
+    emb_dropout = {"gpt2": ("embd_pdrop", 0.1), "phi3": ("embd_pdrop", 0.0)}
+    dropout = mt in resid_dropout and c.float(resid_dropout[mt][0], default=resid_dropout[mt][1]) > 0
+    emb_drop = mt in emb_dropout and c.float(emb_dropout[mt][0], default=emb_dropout[mt][1]) > 0
+    learned = mt == "gpt2"
+    values = dict(
+        hidden=hidden, layers=layers, heads=heads, kv_heads=kv, ffn_hidden=ffn, vocab=c.int("vocab_size"),
+        mlp=mlp, norm=norm, bias=biases == {*ATTN, *MLP},
+        tie_embeddings=c.bool("tie_word_embeddings", default=tie_default), learned_pos=learned,
+        max_seq=c.int("n_positions", "n_ctx") if learned else 0, dropout=dropout, head_dim=head_dim,
+        # Hugging Face's RMSNorm modules (LlamaRMSNorm and kin) are composite: they upcast to fp32
+        norm_impl="composite")
+    try:
+        dims = TransformerDims(**values)
+    except ScenarioError as exc:  # say which file the values came from
+        raise c.reraise(exc) from None
+    return dims, (set() if dims.bias else biases), emb_drop
+
+
+def _moe_spec(c: _Config, d: TransformerDims) -> tuple[MoESpec, list[bool]]:
+    if c.model_type == "mixtral":
+        spec = MoESpec(experts=c.int("num_local_experts"), top_k=c.int("num_experts_per_tok"), expert_ffn=d.ffn)
+        sparse = [True] * d.layers
+    else:  # qwen2_moe
+        spec = MoESpec(experts=c.int("num_experts"), top_k=c.int("num_experts_per_tok"),
+                       expert_ffn=c.int("moe_intermediate_size"),
+                       shared_ffn=c.int("shared_expert_intermediate_size", default=0, positive=False))
+        step = c.int("decoder_sparse_step", default=1)
+        dense = c.data.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+            raise c.bad("mlp_only_layers", "a list of layer indices", dense)
+        sparse = [i not in dense and (i + 1) % step == 0 for i in range(d.layers)]
+    if spec.top_k > spec.experts:
+        raise ScenarioError(f"model.hf_config: {c.where + 'num_experts_per_tok'!r} {spec.top_k} exceeds the "
+                            f"{spec.experts} experts in {c.source}")
+    return spec, sparse
+
+
+def build_decoder(c: _Config, *, micro_batch: int, seq_len: int, act_dtype: str, name: str) -> Workload:
+    """A causal LM: `build_transformer`, then the family's extra biases, embedding dropout and experts."""
+    d, biases, emb_dropout = decoder_dims(c)
+    wl = build_transformer(d, micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype, name=name)
+    if c.model_type in ("mixtral", "qwen2_moe"):
+        spec, sparse = _moe_spec(c, d)
+        wl = apply_moe(wl, d, spec, sparse, micro_batch=micro_batch, seq_len=seq_len)
+    if biases:
+        wl = _add_biases(wl, biases)
+    if emb_dropout:
+        emb = wl.modules[0]
+        mask = micro_batch * seq_len * d.hidden  # bool mask; the pre-dropout sum is a transient
+        wl = replace(wl, modules=(replace(emb, saved_bytes=emb.saved_bytes + mask,
+                                          fwd_temp_bytes=emb.fwd_temp_bytes + emb.output_bytes), *wl.modules[1:]))
+    return wl
+
+
+def _add_biases(wl: Workload, linears: set[str]) -> Workload:
+    """Give each block's named attention / MLP linear layers a bias (Qwen2's q/k/v, Llama's attention_bias)."""
+    modules = []
+    for m in wl.modules:
+        if m.is_block:
+            params: list[Param] = []
+            for p in m.params:
+                params.append(p)
+                for lin in linears:
+                    if p.name in (f"{m.name}.attention.{lin}.weight", f"{m.name}.feed_forward.{lin}.weight"):
+                        params.append(Param(p.name[:-len("weight")] + "bias", (p.shape[0],), p.dtype, p.trainable))
+            m = replace(m, params=tuple(params))
+        modules.append(m)
+    return replace(wl, modules=tuple(modules))
+
+
+# ---- vision ---------------------------------------------------------------------------------------
+def _encoder_dims(c: _Config, dropout_key: str) -> TransformerDims:
+    hidden, heads = c.int("hidden_size"), c.int("num_attention_heads")
+    _check_heads(c, hidden, heads, None, None, decoder=False)
+    values = dict(hidden=hidden, layers=c.int("num_hidden_layers"), heads=heads, ffn_hidden=c.int("intermediate_size"),
+                  vocab=c.int("vocab_size", default=1), mlp="gelu", norm="layernorm", bias=True,
+                  dropout=c.float(dropout_key, default=0.0) > 0)
+    try:
+        return TransformerDims(**values)
+    except ScenarioError as exc:
+        raise c.reraise(exc) from None
+
+
+def vision_dims(c: _Config, style: str) -> VisionDims:
+    """`ViTConfig` (style "vit") or `CLIPVisionConfig` (style "clip")."""
+    if style == "clip":
+        c.model_type_in(("clip_vision_model",))
+    tower = _encoder_dims(c, "hidden_dropout_prob" if style == "vit" else "dropout")
+    return VisionDims(tower=replace(tower, vocab=1), image_size=c.int("image_size"), patch_size=c.int("patch_size"),
+                      channels=c.int("num_channels", default=3), style=style,
+                      qkv_bias=c.bool("qkv_bias", default=True) if style == "vit" else True)
+
+
+def _clip_text_dims(c: _Config) -> TransformerDims:
+    c.model_type_in(("clip_text_model",))
+    d = _encoder_dims(c, "dropout")
+    return replace(d, vocab=c.int("vocab_size"), learned_pos=True, max_seq=c.int("max_position_embeddings"))
+
+
+def _build_llava(c: _Config, *, micro_batch: int, seq_len: int, act_dtype: str, name: str) -> Workload:
+    v = vision_dims(c.sub("vision_config", "clip_vision_model"), "clip")
+    text = c.sub("text_config", "llama")
+    text.model_type_in(DECODERS)
+    strategy = c.str("vision_feature_select_strategy", default="default")
+    if strategy not in ("default", "full"):
+        raise ScenarioError(f"model.hf_config: 'vision_feature_select_strategy' {strategy!r} in {c.source} is not "
+                            "one of ['default', 'full']")
+    image_tokens = v.patches if strategy == "default" else v.seq  # "default" drops the CLS token
+    lm = build_decoder(text, micro_batch=micro_batch, seq_len=seq_len + image_tokens, act_dtype=act_dtype, name=name)
+    d = decoder_dims(text)[0]
+    return build_llava(v, lm, text_hidden=d.hidden, projector_bias=c.bool("multimodal_projector_bias", default=True),
+                       feature_tokens=image_tokens, micro_batch=micro_batch, act_dtype=act_dtype, name=name)

@@ -1,0 +1,172 @@
+"""A workload as a file: `save_workload` writes YAML (JSON for a `.json` path), `load_workload` reads either.
+
+The file is `Workload.to_dict()`: the workload's fields, `modules` a list of module mappings in forward
+order, each with its `params` (shapes as lists). Reading is strict, because a workload file is user input
+(written by `fsdp-sim trace`, then maybe edited by hand): an unknown or missing key, a wrong type or a
+negative size raises `ScenarioError` naming the file and the key path, e.g. `modules[3].saved_bytes`.
+Required keys: the workload's `name` and `modules`, each module's `name` and `kind`, each parameter's
+`name` and `shape`; every other key takes the default of its dataclass field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fsdp_sim.dtypes import DTYPE_BYTES
+from fsdp_sim.errors import ScenarioError
+from fsdp_sim.workload.model import Module, Param, Workload
+
+# key -> kind of value: "str", "int" (non-negative), "float" (finite, non-negative), "bool", "dtype",
+# "shape", "names" (list of str), "time" (float or null), "mapping"; plus the nested lists.
+_WORKLOAD_KEYS = {"name": "str", "modules": "modules", "activation_dtype": "dtype", "input_bytes": "int",
+                  "tokens": "int", "model_flops": "float", "meta": "mapping"}
+_MODULE_KEYS = {"name": "str", "kind": "str", "params": "params", "tied_params": "names", "fwd_flops": "float",
+                "bwd_flops": "float", "fwd_hbm_bytes": "float", "saved_bytes": "int", "fwd_temp_bytes": "int",
+                "bwd_temp_bytes": "int", "output_bytes": "int", "saves_input": "bool", "is_block": "bool",
+                "in_model": "bool", "fwd_time_s": "time", "bwd_time_s": "time"}
+_PARAM_KEYS = {"name": "str", "shape": "shape", "dtype": "dtype", "trainable": "bool"}
+# the fields without a default: Workload name, modules; Module name, kind; Param name, shape
+_REQUIRED = {cls: tuple(f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING)
+             for cls in (Workload, Module, Param)}
+
+for _cls, _keys in ((Workload, _WORKLOAD_KEYS), (Module, _MODULE_KEYS), (Param, _PARAM_KEYS)):
+    # the schema must follow the dataclasses: a field added there and not here would be silently dropped
+    if {f.name for f in fields(_cls)} != set(_keys):  # pragma: no cover - a developer error, caught by any test
+        raise RuntimeError(f"fsdp_sim.workload.io: the schema of {_cls.__name__} is out of date")
+
+
+class _FlowMap(dict):
+    """A mapping written on one line (a parameter), so a file of thousands of parameters stays readable."""
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+_Dumper.add_representer(_FlowMap, lambda d, m: d.represent_mapping("tag:yaml.org,2002:map", m, flow_style=True))
+
+
+def workload_to_text(workload: Workload, *, as_json: bool = False) -> str:
+    """The workload file's text: YAML (one line per parameter), or JSON."""
+    data = workload.to_dict()
+    if as_json:
+        return json.dumps(data, indent=1) + "\n"
+    for m in data["modules"]:
+        m["params"] = [_FlowMap(p) for p in m["params"]]
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=160)
+
+
+def save_workload(workload: Workload, path: str | Path) -> None:
+    """Write `workload` to `path`: JSON when the name ends in `.json`, YAML otherwise."""
+    path = Path(path)
+    try:
+        path.write_text(workload_to_text(workload, as_json=path.suffix.lower() == ".json"))
+    except OSError as exc:
+        raise ScenarioError(f"cannot write workload {path}: {exc.strerror}") from None
+
+
+def load_workload(path: str | Path) -> Workload:
+    """Read and check a workload file written by `save_workload` (or by hand)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ScenarioError(f"workload file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())  # YAML is a superset of JSON
+    except yaml.YAMLError as exc:
+        raise ScenarioError(f"workload {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    try:
+        return workload_from_dict(data)
+    except ScenarioError as exc:
+        raise ScenarioError(f"workload {path}: {exc}") from None
+
+
+def workload_from_dict(data: Any) -> Workload:
+    """Check the mapping of a workload file and build the `Workload`; errors name the key path."""
+    kw = _fields(Workload, _WORKLOAD_KEYS, data, "")
+    workload = Workload(**kw)
+    _check_names(workload)
+    return workload
+
+
+def _fields(cls: type, schema: dict[str, str], data: Any, where: str) -> dict:
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{where or 'workload'}: expected a mapping, got {type(data).__name__}")
+    prefix = f"{where}." if where else ""
+    for key in data:
+        if key not in schema:
+            raise ScenarioError(f"{prefix}{key}: unknown key, expected one of {sorted(schema)}")
+    for key in _REQUIRED[cls]:
+        if key not in data:
+            raise ScenarioError(f"{prefix}{key}: missing (required)")
+    return {key: _value(schema[key], data[key], f"{prefix}{key}") for key in data}
+
+
+def _value(kind: str, value: Any, where: str) -> Any:
+    if kind == "modules":
+        if not isinstance(value, list) or not value:
+            raise ScenarioError(f"{where}: expected a non-empty list of modules")
+        return tuple(Module(**_fields(Module, _MODULE_KEYS, m, f"{where}[{i}]")) for i, m in enumerate(value))
+    if kind == "params":
+        if not isinstance(value, list):
+            raise ScenarioError(f"{where}: expected a list of parameters, got {type(value).__name__}")
+        return tuple(Param(**_fields(Param, _PARAM_KEYS, p, f"{where}[{i}]")) for i, p in enumerate(value))
+    if kind == "str":
+        if not isinstance(value, str) or not value:
+            raise ScenarioError(f"{where}: expected a non-empty string, got {value!r}")
+        return value
+    if kind == "dtype":
+        if value not in DTYPE_BYTES:
+            raise ScenarioError(f"{where}: unknown dtype {value!r}, expected one of {sorted(DTYPE_BYTES)}")
+        return value
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ScenarioError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ScenarioError(f"{where}: expected a non-negative integer, got {value!r}")
+        return value
+    if kind in ("float", "time"):
+        if value is None and kind == "time":
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ScenarioError(f"{where}: expected a finite non-negative number, got {value!r}")
+        return float(value)
+    if kind == "shape":
+        if not isinstance(value, list) or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in value):
+            raise ScenarioError(f"{where}: expected a list of non-negative integers, got {value!r}")
+        return tuple(value)
+    if kind == "names":
+        if not isinstance(value, list) or any(not isinstance(n, str) for n in value):
+            raise ScenarioError(f"{where}: expected a list of parameter names, got {value!r}")
+        return tuple(value)
+    if kind == "mapping":
+        if not isinstance(value, dict):
+            raise ScenarioError(f"{where}: expected a mapping, got {type(value).__name__}")
+        return value
+    raise AssertionError(kind)  # pragma: no cover
+
+
+def _check_names(workload: Workload) -> None:
+    """Module and parameter names are unique; a tied parameter belongs to an earlier module."""
+    modules: set[str] = set()
+    params: set[str] = set()
+    for i, m in enumerate(workload.modules):
+        if m.name in modules:
+            raise ScenarioError(f"modules[{i}].name: {m.name!r} is used by an earlier module")
+        modules.add(m.name)
+        for name in m.tied_params:
+            if name not in params:
+                raise ScenarioError(f"modules[{i}].tied_params: {name!r} is not a parameter of an earlier module")
+        for j, p in enumerate(m.params):
+            if p.name in params:
+                raise ScenarioError(f"modules[{i}].params[{j}].name: {p.name!r} is used by an earlier parameter")
+            params.add(p.name)
+    if not any(m.in_model for m in workload.modules):
+        raise ScenarioError("modules: no module has in_model: true (the FSDP root would own nothing)")
