@@ -15,40 +15,15 @@ pytest.importorskip("torch")
 
 from fsdp_sim.torch_tools.memtracker import run_fsdp_mem_tracker  # noqa: E402
 from fsdp_sim.torch_tools.reference_model import ReferenceConfig  # noqa: E402
-from fsdp_sim.torch_tools.referee import simulate_reference  # noqa: E402
+from fsdp_sim.torch_tools.referee import BASE, CASES, case_settings, simulate_reference  # noqa: E402
 
 MiB = 1 << 20
-BASE = dict(hidden=256, layers=4, heads=8, kv_heads=8, ffn_hidden=688, vocab=4096, mlp="swiglu")
-
-# (id, model overrides, run settings): every factor the issue names appears at least once.
-CASES = [
-    ("base-w4", {}, {}),
-    ("w2", {}, {"world_size": 2}),
-    ("w8", {}, {"world_size": 8}),
-    ("whole-model", {}, {"wrap": "whole_model"}),
-    ("no-reshard", {}, {"reshard_after_forward": False}),
-    ("fp32-params", {}, {"param_dtype": "fp32"}),
-    ("sgd", {}, {"optimizer": "sgd"}),
-    ("ac-full", {}, {"activation_checkpointing": "full"}),
-    ("tied", {"tie_embeddings": True}, {}),
-    ("gqa-gelu-ac-w8", {"kv_heads": 2, "mlp": "gelu", "ffn_hidden": 1024}, {"world_size": 8, "activation_checkpointing": "full"}),
-    ("vocab1003-w8-padding", {"vocab": 1003}, {"world_size": 8}),
-    ("small-batch-w2-optimizer-peak", {"vocab": 1000}, {"world_size": 2, "batch": 1, "seq": 16}),
-    ("whole-model-fp32-sgd-w8", {}, {"world_size": 8, "wrap": "whole_model", "param_dtype": "fp32", "optimizer": "sgd"}),
-    ("w2-ac-no-reshard", {}, {"world_size": 2, "activation_checkpointing": "full", "reshard_after_forward": False}),
-]
-
-
-def _settings(overrides: dict) -> dict:
-    return {"world_size": 4, "batch": 2, "seq": 128, "wrap": "per_block", "reshard_after_forward": True,
-            "param_dtype": "bf16", "reduce_dtype": "fp32", "optimizer": "adamw",
-            "activation_checkpointing": "none"} | overrides
 
 
 @pytest.mark.parametrize("case_id, model, run", CASES, ids=[c[0] for c in CASES])
 def test_simulated_peak_agrees_with_fsdp_mem_tracker(case_id, model, run):
     cfg = ReferenceConfig(**(BASE | model))
-    settings = _settings(run)
+    settings = case_settings(run)
     tracker = run_fsdp_mem_tracker(cfg, **settings)
     sim = simulate_reference(cfg, **settings)
     error = (sim["peak_bytes"] - tracker["peak_bytes"]) / tracker["peak_bytes"]

@@ -19,6 +19,36 @@ TRACKER_CATEGORY = {
     "temporaries": "Temp", "all_gather_buffers": "All Gather", "reduce_scatter_buffers": "Reduce Scatter",
     "inputs": "Inputs", "buffers": "Buffer",
 }
+# The referee grid (tests/test_referee.py, benchmarks/bench_referee.py): a small decoder and, per case,
+# (id, model overrides, run settings); every factor issue #3 names appears at least once.
+BASE = dict(hidden=256, layers=4, heads=8, kv_heads=8, ffn_hidden=688, vocab=4096, mlp="swiglu")
+CASES = [
+    ("base-w4", {}, {}),
+    ("w2", {}, {"world_size": 2}),
+    ("w8", {}, {"world_size": 8}),
+    ("whole-model", {}, {"wrap": "whole_model"}),
+    ("no-reshard", {}, {"reshard_after_forward": False}),
+    ("fp32-params", {}, {"param_dtype": "fp32"}),
+    ("sgd", {}, {"optimizer": "sgd"}),
+    ("ac-full", {}, {"activation_checkpointing": "full"}),
+    ("tied", {"tie_embeddings": True}, {}),
+    ("gqa-gelu-ac-w8", {"kv_heads": 2, "mlp": "gelu", "ffn_hidden": 1024}, {"world_size": 8, "activation_checkpointing": "full"}),
+    ("vocab1003-w8-padding", {"vocab": 1003}, {"world_size": 8}),
+    ("small-batch-w2-optimizer-peak", {"vocab": 1000}, {"world_size": 2, "batch": 1, "seq": 16}),
+    ("whole-model-fp32-sgd-w8", {}, {"world_size": 8, "wrap": "whole_model", "param_dtype": "fp32", "optimizer": "sgd"}),
+    ("w2-ac-no-reshard", {}, {"world_size": 2, "activation_checkpointing": "full", "reshard_after_forward": False}),
+    ("gpt2-style-layernorm-bias-tied", {"norm": "layernorm", "bias": True, "tie_embeddings": True, "learned_pos": True,
+                                        "max_seq": 128, "mlp": "gelu", "ffn_hidden": 1024}, {}),
+]
+
+
+def case_settings(overrides: dict) -> dict:
+    """The run settings of a referee case: W=4, batch 2 x 128 tokens, per-block, bf16/fp32, AdamW."""
+    return {"world_size": 4, "batch": 2, "seq": 128, "wrap": "per_block", "reshard_after_forward": True,
+            "param_dtype": "bf16", "reduce_dtype": "fp32", "optimizer": "adamw",
+            "activation_checkpointing": "none"} | overrides
+
+
 _DIM_FIELDS = ("hidden", "layers", "heads", "kv_heads", "ffn_hidden", "vocab", "mlp", "norm", "bias",
                "tie_embeddings", "learned_pos", "max_seq")
 
