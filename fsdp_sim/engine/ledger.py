@@ -16,6 +16,7 @@ import numpy as np
 from fsdp_sim.schedule.ops import CATEGORIES, Buffer, Op
 
 _CAT_INDEX = {c: i for i, c in enumerate(CATEGORIES)}
+MIN_BLOCK, SMALL_SIZE, ROUND_LARGE = 512, 1 << 20, 2 << 20  # c10 CUDACachingAllocator constants
 
 
 class LedgerError(RuntimeError):
@@ -36,36 +37,60 @@ class MemoryTrace:
     def total(self) -> np.ndarray:
         return self.levels.sum(axis=1)
 
+    reserved_bytes: int  # the caching allocator's model: see `replay`
+    lifetimes: list[tuple[Buffer, int, int]]  # (buffer, row allocated, row freed or n+1)
+
     def live_at(self, row: int) -> list[Buffer]:
         """Buffers alive after event `row` (row 0: the persistent state)."""
-        live = {b.id: b for b in self.persistent}
-        for op, buf, sign in self.events[:row]:
-            if sign > 0:
-                live[buf.id] = buf
-            else:
-                del live[buf.id]
-        return list(live.values())
+        return [b for b, born, dead in self.lifetimes if born <= row < dead]
+
+
+def allocator_size(nbytes: int) -> int:
+    """Block size PyTorch's CUDA caching allocator hands out for a request: multiples of 512 B up to
+    1 MiB (kMinBlockSize, kSmallSize), multiples of 2 MiB above (kRoundLarge)."""
+    if nbytes <= SMALL_SIZE:
+        return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
+    return -(-nbytes // ROUND_LARGE) * ROUND_LARGE
 
 
 def replay(ops: list[Op], persistent: list[Buffer], start: np.ndarray) -> MemoryTrace:
-    """Apply every alloc/free op in issue order; refuse a double free or a free of a dead buffer."""
+    """Apply every alloc/free op in issue order; refuse a double free or a free of a dead buffer.
+
+    Reserved memory is modelled alongside: the caching allocator keeps one pool per stream (a block
+    freed on one stream is not reused by another), each pool holds its high-water mark of rounded
+    live blocks, and the reserved total is their sum. Fragmentation inside a pool is not modelled,
+    so this is a lower bound of `torch.cuda.max_memory_reserved`.
+    """
     live: dict[int, Buffer] = {b.id: b for b in persistent}
+    born: dict[int, int] = {b.id: 0 for b in persistent}
+    lifetimes: list[tuple[Buffer, int, int]] = []
+    pool_of: dict[int, str] = {b.id: "compute" for b in persistent}
+    level = {"compute": sum(allocator_size(b.nbytes) for b in persistent)}
+    high = dict(level)
     initial = np.zeros(len(CATEGORIES))
     for b in persistent:
         initial[_CAT_INDEX[b.category]] += b.nbytes
     times, cats, deltas, events = [0.0], [], [], []
     t = 0.0
     for op in ops:
-        if op.kind == "alloc":
+        kind = op.kind
+        if kind == "alloc":
             buf = op.buffer
             if buf.id in live:
                 raise LedgerError(f"buffer {buf.name!r} allocated twice")
             live[buf.id] = buf
+            born[buf.id] = len(times)
+            pool = pool_of[buf.id] = op.stream
+            level[pool] = used = level.get(pool, 0) + allocator_size(buf.nbytes)
+            if used > high.get(pool, 0):
+                high[pool] = used
             sign = 1
-        elif op.kind == "free":
+        elif kind == "free":
             buf = op.buffer
             if live.pop(buf.id, None) is None:
                 raise LedgerError(f"buffer {buf.name!r} freed twice or never allocated (op {op.name!r}, {op.phase})")
+            lifetimes.append((buf, born.pop(buf.id), len(times)))
+            level[pool_of[buf.id]] -= allocator_size(buf.nbytes)
             sign = -1
         else:
             continue
@@ -74,6 +99,8 @@ def replay(ops: list[Op], persistent: list[Buffer], start: np.ndarray) -> Memory
         cats.append(_CAT_INDEX[buf.category])
         deltas.append(sign * buf.nbytes)
         events.append((op, buf, sign))
+    end = len(times)
+    lifetimes += [(b, born[b.id], end) for b in live.values()]
     delta = np.zeros((len(deltas) + 1, len(CATEGORIES)))
     delta[0] = initial
     if deltas:
@@ -82,4 +109,5 @@ def replay(ops: list[Op], persistent: list[Buffer], start: np.ndarray) -> Memory
     if (levels < 0).any():
         row, col = np.argwhere(levels < 0)[0]
         raise LedgerError(f"{CATEGORIES[col]} went negative at event {row} ({events[row - 1][1].name!r})")
-    return MemoryTrace(np.array(times), levels, events, list(persistent), list(live.values()))
+    return MemoryTrace(np.array(times), levels, events, list(persistent), list(live.values()),
+                       int(sum(high.values())), lifetimes)

@@ -1,9 +1,7 @@
 """From the op timings and the memory ledger to the numbers a user asks for.
 
 Allocated = bytes of live tensors in issue order (what `torch.cuda.max_memory_allocated` reports).
-Reserved = what the caching allocator would hold: each stream has its own pool (blocks are not shared
-across streams), each pool keeps its high-water mark, and sizes are rounded as the allocator rounds
-them. That is a lower bound: fragmentation inside a pool is not modelled.
+Reserved = the ledger's caching-allocator model (per-stream pools, rounded sizes; see engine/ledger.py).
 """
 
 from __future__ import annotations
@@ -15,16 +13,6 @@ import numpy as np
 from fsdp_sim.engine import MemoryTrace, Timing
 from fsdp_sim.scenario import Scenario
 from fsdp_sim.schedule.ops import CATEGORIES, COLLECTIVES, OpGraph
-
-MIN_BLOCK, SMALL_SIZE, ROUND_LARGE = 512, 1 << 20, 2 << 20  # c10 CUDACachingAllocator constants
-
-
-def allocator_size(nbytes: int) -> int:
-    """Block size the caching allocator hands out: 512 B multiples up to 1 MiB, then 2 MiB multiples."""
-    if nbytes <= SMALL_SIZE:
-        return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
-    return -(-nbytes // ROUND_LARGE) * ROUND_LARGE
-
 
 def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[list[float]] = []
@@ -111,25 +99,13 @@ class StepResult:
     def peak_row(self) -> int:
         return int(np.argmax(self.memory.total))
 
-    def reserved_bytes(self) -> int:
-        """Sum over streams of each pool's high-water mark of allocator-rounded live bytes."""
-        pool_of: dict[int, str] = {b.id: "compute" for b in self.memory.persistent}
-        level: dict[str, int] = {"compute": sum(allocator_size(b.nbytes) for b in self.memory.persistent)}
-        high = dict(level)
-        for op, buf, sign in self.memory.events:
-            pool = pool_of.setdefault(buf.id, op.stream)
-            level[pool] = level.get(pool, 0) + sign * allocator_size(buf.nbytes)
-            if level[pool] > high.get(pool, 0):
-                high[pool] = level[pool]
-        return int(sum(high.values()))
-
     def peak(self, top: int = 10) -> dict:
         row = self.peak_row
         levels = self.memory.levels[row]
         allocated = int(levels.sum())
         op = self.memory.events[row - 1][0] if row else None
         gpu = self.scenario.cluster.gpu
-        reserved = self.reserved_bytes()
+        reserved = self.memory.reserved_bytes
         by_category = {c: int(v) for c, v in zip(CATEGORIES, levels)}
         by_category.update(cuda_context=gpu.cuda_context_bytes, nccl=gpu.nccl_bytes, fragmentation=reserved - allocated)
         live = sorted(self.memory.live_at(row), key=lambda b: -b.nbytes)[:top]
