@@ -1,4 +1,5 @@
-"""`fsdp-sim run SCENARIO [--json F] [--trace F] [--timeline-csv F]`.
+"""`fsdp-sim run SCENARIO [--json F] [--trace F] [--timeline-csv F]`;
+`fsdp-sim trace package.module:factory --batch B --seq S -o workload.yaml`.
 
 Argument parsing, file writing and error messages; nothing else. Bad input (`ScenarioError`) becomes one
 line on stderr and exit code 2.
@@ -46,6 +47,28 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(d) for d in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated integers, e.g. 8,3,224,224") from None
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from fsdp_sim.torch_tools.trace import trace_factory
+    from fsdp_sim.workload.io import workload_to_text
+
+    workload = trace_factory(args.factory, batch=args.batch, seq=args.seq, dtype=args.dtype,
+                             block_types=args.block_type, input_shape=args.input_shape, name=args.name)
+    _write(args.output, workload_to_text(workload, as_json=args.output.lower().endswith(".json")))
+    if not args.quiet:
+        blocks = sum(m.is_block for m in workload.modules)
+        flops = sum(m.fwd_flops + m.bwd_flops for m in workload.modules)
+        print(f"{workload.name}: {len(workload.modules)} modules ({blocks} blocks), {workload.numel:,} parameters, "
+              f"{flops / 1e12:.3g} TFLOP per step -> {args.output}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdp-sim", description="Simulate one PyTorch FSDP training step.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -57,6 +80,23 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--safety-margin", type=float, metavar="FRACTION", help="memory kept free (default: scenario, 0.10)")
     run.add_argument("-q", "--quiet", action="store_true", help="print nothing; write only the files asked for")
     run.set_defaults(func=_run)
+    trace = sub.add_parser("trace", help="trace a PyTorch model (fake tensors, CPU) into a workload file",
+                           description="Run one forward and backward of factory()'s model on fake tensors and write "
+                                       "its workload (reference it from a scenario as model: {workload: FILE}).")
+    trace.add_argument("factory", help="package.module:factory; factory() returns an nn.Module or (module, loss_fn)")
+    trace.add_argument("--batch", type=int, help="micro-batch size of the token-id input")
+    trace.add_argument("--seq", type=int, help="sequence length of the token-id input")
+    trace.add_argument("--input-shape", type=_shape, metavar="D0,D1,...",
+                       help="shape of the one input, for a model that does not start with an nn.Embedding "
+                            "(a float tensor in --dtype); replaces --batch/--seq")
+    trace.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
+                       help="compute dtype (FSDP's param_dtype; default bf16)")
+    trace.add_argument("--block-type", action="append", metavar="CLASS",
+                       help="class name of the blocks (repeatable; default: the layers of the largest nn.ModuleList)")
+    trace.add_argument("--name", help="workload name (default: the model's class name)")
+    trace.add_argument("-o", "--output", required=True, metavar="FILE", help="workload file to write (.yaml or .json)")
+    trace.add_argument("-q", "--quiet", action="store_true", help="print nothing")
+    trace.set_defaults(func=_trace)
     return parser
 
 

@@ -1,6 +1,6 @@
 """Scenario files: load, check every key and value, resolve into what the simulator needs.
 
-A scenario is YAML with the sections `model`, `training`, `hardware`, `fsdp` and `report` (README
+A scenario is YAML with the sections `model`, `training`, `hardware`, `fsdp`, `compute` and `report` (README
 documents every key). Checking happens here, at the edge: an unknown key, a wrong type or an
 impossible combination raises `ScenarioError` naming the key and what was expected.
 """
@@ -18,6 +18,7 @@ from fsdp_sim.errors import ScenarioError
 from fsdp_sim.hardware.profiles import Cluster, load_profile
 from fsdp_sim.schedule.settings import OPTIMIZER_STATES, FSDPSettings
 from fsdp_sim.workload import PRESETS, TransformerDims, Workload, build_transformer
+from fsdp_sim.workload.profile_trace import apply_profile_trace
 from fsdp_sim.wrap import POLICIES, Unit, make_units
 
 STRATEGIES = {  # FSDP1 name -> (mesh, reshard_after_forward) as FSDP2 expresses it (torchtitan docs/fsdp.md)
@@ -118,7 +119,7 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     """Check and resolve scenario data; relative file paths inside it are taken from `base`."""
     base = base or Path.cwd()
     data = _expect("scenario", data)
-    _check_keys("scenario", data, {"name", "model", "training", "hardware", "fsdp", "report"})
+    _check_keys("scenario", data, {"name", "model", "training", "hardware", "fsdp", "compute", "report"})
     if "model" not in data:
         raise ScenarioError("model: missing (a preset name, transformer dimensions, hf_config or workload)")
     model = data["model"]
@@ -126,6 +127,10 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
 
     training = _expect("training", data.get("training"))
     _check_keys("training", training, {"micro_batch", "seq_len", "optimizer", "activation_checkpointing"})
+    if isinstance(data["model"], dict) and "workload" in data["model"]:
+        for key in ("micro_batch", "seq_len"):
+            if key in training:
+                raise ScenarioError(f"training.{key}: not allowed with model.workload (the trace fixed the batch shape)")
     micro_batch = _get("training", training, "micro_batch", int, 1, positive=True)
     seq_len = _get("training", training, "seq_len", int, 2048, positive=True)
     optimizer = _get("training", training, "optimizer", str, "adamw", choices=tuple(OPTIMIZER_STATES))
@@ -173,6 +178,11 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
         raise ScenarioError(f"report.safety_margin: {margin} must be in [0, 1)")
 
     workload = _workload(model, micro_batch=micro_batch, seq_len=seq_len, act_dtype=param_dtype, base=base)
+    compute = _expect("compute", data.get("compute"))
+    _check_keys("compute", compute, {"trace"})
+    if "trace" in compute:
+        trace = Path(_get("compute", compute, "trace", str))
+        workload = apply_profile_trace(workload, trace if trace.is_absolute() else base / trace)
     units = make_units(workload, wrap, k=k, min_params=min_params)
     settings = FSDPSettings(shard_size=shard_size, replicate_size=world // shard_size, reshard_after_forward=reshard,
                             param_dtype=param_dtype, reduce_dtype=reduce_dtype, optimizer=optimizer,

@@ -3,7 +3,7 @@
 Each case builds the ReferenceTransformer, shards it with FSDP2 `fully_shard` under FakeTensorMode with a
 fake process group (rank 0 of W), tracks a training step after a first one (so optimizer state exists)
 with `torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker`, and compares with fsdp-sim's
-simulation of the same job. The gate: peak allocated bytes within 5 %, and every category at the peak
+simulation of the same job, built both from the model's dimensions and from its traced workload. The gate: peak allocated bytes within 5 %, and every category at the peak
 within 5 % or 8 MiB. Skipped without torch.
 """
 
@@ -15,20 +15,31 @@ pytest.importorskip("torch")
 
 from fsdp_sim.torch_tools.memtracker import run_fsdp_mem_tracker  # noqa: E402
 from fsdp_sim.torch_tools.reference_model import ReferenceConfig  # noqa: E402
-from fsdp_sim.torch_tools.referee import BASE, CASES, case_settings, simulate_reference  # noqa: E402
+from fsdp_sim.torch_tools.referee import (  # noqa: E402
+    BASE, CASES, case_settings, simulate_reference, traced_reference_workload)
+from fsdp_sim.workload.io import save_workload  # noqa: E402
 
 MiB = 1 << 20
 
 
+def _check(case_id: str, source: str, sim: dict, tracker: dict) -> None:
+    error = (sim["peak_bytes"] - tracker["peak_bytes"]) / tracker["peak_bytes"]
+    assert abs(error) <= 0.05, (f"{case_id} ({source}): simulated peak {sim['peak_bytes']} vs tracker "
+                                f"{tracker['peak_bytes']} ({100 * error:+.2f} %), sim at {sim['phase']}/{sim['op']}, "
+                                f"tracker at {tracker.get('peak_where')}")
+    for category, theirs in tracker["peak_by_category"].items():
+        ours = sim["peak_by_category"].get(category, 0)
+        assert abs(ours - theirs) <= max(0.05 * theirs, 8 * MiB), f"{case_id} ({source}): {category} {ours} vs tracker {theirs}"
+
+
 @pytest.mark.parametrize("case_id, model, run", CASES, ids=[c[0] for c in CASES])
-def test_simulated_peak_agrees_with_fsdp_mem_tracker(case_id, model, run):
+def test_simulated_peak_agrees_with_fsdp_mem_tracker(case_id, model, run, tmp_path):
+    """Both ways into the simulator: the model's dimensions, and its workload traced from the module."""
     cfg = ReferenceConfig(**(BASE | model))
     settings = case_settings(run)
     tracker = run_fsdp_mem_tracker(cfg, **settings)
-    sim = simulate_reference(cfg, **settings)
-    error = (sim["peak_bytes"] - tracker["peak_bytes"]) / tracker["peak_bytes"]
-    assert abs(error) <= 0.05, (f"{case_id}: simulated peak {sim['peak_bytes']} vs tracker {tracker['peak_bytes']} "
-                                f"({100 * error:+.2f} %), sim at {sim['phase']}/{sim['op']}, tracker at {tracker.get('peak_where')}")
-    for category, theirs in tracker["peak_by_category"].items():
-        ours = sim["peak_by_category"].get(category, 0)
-        assert abs(ours - theirs) <= max(0.05 * theirs, 8 * MiB), f"{case_id}: {category} {ours} vs tracker {theirs}"
+    _check(case_id, "dimensions", simulate_reference(cfg, **settings), tracker)
+    traced = traced_reference_workload(cfg, batch=settings["batch"], seq=settings["seq"],
+                                       param_dtype=settings["param_dtype"])
+    save_workload(traced, tmp_path / "reference.yaml")
+    _check(case_id, "traced", simulate_reference(cfg, workload_file=str(tmp_path / "reference.yaml"), **settings), tracker)

@@ -53,7 +53,8 @@ def _error(data) -> str:
 
 
 def test_minimal_file_takes_defaults():
-    wl = workload_from_dict({"name": "w", "modules": [{"name": "a", "kind": "linear", "params": [{"name": "a.w", "shape": [4, 2]}]}]})
+    module = {"name": "a", "kind": "linear", "params": [{"name": "a.w", "shape": [4, 2]}]}
+    wl = workload_from_dict({"name": "w", "modules": [module]})
     assert wl.modules[0].params[0].dtype == "fp32" and wl.modules[0].saves_input and wl.numel == 8
 
 
@@ -118,3 +119,12 @@ def test_saved_workload_simulates_from_a_scenario(tmp_path):
                                 "training": {"micro_batch": 2, "seq_len": 16}, "hardware": {"profile": "h100-sxm"}})
     a, b = simulate(from_file).to_dict(), simulate(from_dims).to_dict()
     assert a["peak"] == b["peak"] and a["step_time_s"] == b["step_time_s"] and a["memory"] == b["memory"]
+
+
+def test_a_traced_workload_fixes_the_batch_shape(tmp_path):
+    """The trace was made for one batch shape: a scenario may not ask for another."""
+    save_workload(build_transformer(TransformerDims(hidden=64, layers=1, heads=4, vocab=128), micro_batch=1, seq_len=8,
+                                    act_dtype="bf16", name="w"), tmp_path / "w.yaml")
+    with pytest.raises(ScenarioError, match="training.seq_len: not allowed with model.workload"):
+        parse_scenario({"model": {"workload": "w.yaml"}, "training": {"seq_len": 16},
+                        "hardware": {"profile": "h100-sxm"}}, base=tmp_path)

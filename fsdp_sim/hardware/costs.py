@@ -39,6 +39,8 @@ class OpCosts:
 
     def duration(self, op: Op) -> float:
         kind = op.kind
+        if op.measured_s is not None:
+            return op.measured_s
         if kind == "compute" or kind == "copy":
             return self.compute_time(op.flops, op.hbm_bytes)
         if kind in _COLLECTIVE_TIME:

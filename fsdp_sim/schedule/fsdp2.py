@@ -244,7 +244,7 @@ class FSDP2Runtime:
         if not recompute:
             self.outputs[m.name] = g.alloc(COMPUTE, f"{m.name} output", "activations", self._scaled(m.output_bytes))
         g.add("compute", COMPUTE, f"{m.name} {'recompute' if recompute else 'forward'}",
-              flops=m.fwd_flops, hbm_bytes=self._scaled(m.fwd_hbm_bytes))
+              flops=m.fwd_flops, hbm_bytes=self._scaled(m.fwd_hbm_bytes), measured_s=m.fwd_time_s)
         if transient is not None:
             g.free(COMPUTE, transient)
         if not recompute and prev is not None and not (m.saves_input or checkpointed):
@@ -258,7 +258,8 @@ class FSDP2Runtime:
         # each op's saved tensors as its backward runs, so by the end only what the backward leaves
         # remains: the gradient w.r.t. the input and the parameters' unsharded gradients
         temp = g.alloc(COMPUTE, f"{m.name} backward temporaries", "temporaries", self._scaled(m.bwd_temp_bytes)) if m.bwd_temp_bytes else None
-        g.add("compute", COMPUTE, f"{m.name} backward", flops=m.bwd_flops, hbm_bytes=2 * self._scaled(m.fwd_hbm_bytes))
+        g.add("compute", COMPUTE, f"{m.name} backward", flops=m.bwd_flops, hbm_bytes=2 * self._scaled(m.fwd_hbm_bytes),
+              measured_s=m.bwd_time_s)
         if temp is not None:
             g.free(COMPUTE, temp)
         if m.name in self.saved:

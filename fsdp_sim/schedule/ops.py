@@ -1,7 +1,8 @@
 """The op graph a runtime emits: what each stream does, in CPU issue order, and what waits on what.
 
-Ops carry work (FLOPs, HBM bytes, collective bytes), never durations: the engine prices them with the
-hardware model. Memory is part of the graph: `alloc` and `free` ops sit on the stream where PyTorch's
+Ops carry work (FLOPs, HBM bytes, collective bytes), not durations: the engine prices them with the
+hardware model. The one exception is a compute op whose module was timed by a profiler
+(`measured_s`, from `compute: {trace: ...}`): that measurement replaces the FLOP-based estimate. Memory is part of the graph: `alloc` and `free` ops sit on the stream where PyTorch's
 caching allocator sees them, so the ledger can replay them in issue order (what
 `torch.cuda.max_memory_allocated` and FSDPMemTracker count) and stamp them with the time the stream
 reaches them.
@@ -49,6 +50,7 @@ class Op:
     comm_bytes: float = 0.0
     group: str = ""
     buffer: Buffer | None = None
+    measured_s: float | None = None
 
 
 class OpGraph:
@@ -62,9 +64,10 @@ class OpGraph:
         self.unit = ""
 
     def add(self, kind: str, stream: str, name: str, *, deps=(), flops=0.0, hbm_bytes=0.0,
-            comm_bytes=0.0, group="", buffer=None) -> Op:
+            comm_bytes=0.0, group="", buffer=None, measured_s=None) -> Op:
         ids = tuple([d.id for d in deps if d is not None]) if deps else ()
-        op = Op(len(self.ops), kind, stream, name, self.unit, self.phase, ids, flops, hbm_bytes, comm_bytes, group, buffer)
+        op = Op(len(self.ops), kind, stream, name, self.unit, self.phase, ids, flops, hbm_bytes, comm_bytes, group,
+                buffer, measured_s)
         self.ops.append(op)
         return op
 

@@ -1,4 +1,6 @@
-"""Torch-side tools for fsdp-sim: a reference model and the FSDPMemTracker referee harness.
+"""Torch-side tools for fsdp-sim: a reference model, the FSDPMemTracker referee harness, the tracer
+that turns an ``nn.Module`` into a workload (``trace.py``) and the profiler labels whose times
+``fsdp_sim.workload.profile_trace`` reads (``profiling.py``).
 
 Everything in this package needs PyTorch (``pip install fsdp-sim[torch]``); importing the
 package itself does not import torch.

@@ -1,7 +1,7 @@
 """fsdp-sim beside PyTorch's FSDPMemTracker on the same model and settings.
 
-`simulate_reference(cfg, ...)` simulates the ReferenceTransformer's step with fsdp-sim and returns the
-peak and its categories under FSDPMemTracker's names, so a test or a benchmark can hold the two side by
+`simulate_reference(cfg, ...)` simulates the ReferenceTransformer's step with fsdp-sim (from its
+dimensions, or from its traced workload) and returns the peak and its categories under FSDPMemTracker's names, so a test or a benchmark can hold the two side by
 side. Gradients count as "Temp" in the tracker until FSDP's post-backward takes them, so the simulator's
 unsharded gradients are compared under "Temp".
 """
@@ -71,9 +71,29 @@ def reference_scenario(cfg, *, world_size: int, batch: int, seq: int, wrap: str 
     }
 
 
-def simulate_reference(cfg, **settings) -> dict:
-    """fsdp-sim's peak allocated bytes and its categories, in FSDPMemTracker's category names."""
-    result = simulate(parse_scenario(reference_scenario(cfg, **settings), name="referee"))
+def traced_reference_workload(cfg, *, batch: int, seq: int, param_dtype: str = "bf16"):
+    """The ReferenceTransformer's workload as `fsdp-sim trace` records it, with the CPU's kernels
+    (what the CPU referee runs), instead of the analytic builder's. Needs torch."""
+    import torch
+
+    from fsdp_sim.torch_tools.reference_model import ReferenceTransformer, loss_fn
+    from fsdp_sim.torch_tools.trace import trace_module
+
+    with torch.device("meta"):
+        model = ReferenceTransformer(cfg)
+    ids = torch.randint(0, cfg.vocab, (batch, seq), device="meta")
+    return trace_module(model, (ids,), loss_fn=loss_fn, dtype=param_dtype, emulate_cuda=False, name="reference")
+
+
+def simulate_reference(cfg, *, workload_file: str | None = None, **settings) -> dict:
+    """fsdp-sim's peak allocated bytes and its categories, in FSDPMemTracker's category names.
+
+    With `workload_file` (a saved traced workload) the model comes from it instead of the dimensions."""
+    data = reference_scenario(cfg, **settings)
+    if workload_file is not None:  # the trace fixed the batch shape
+        data["model"] = {"workload": workload_file}
+        del data["training"]["micro_batch"], data["training"]["seq_len"]
+    result = simulate(parse_scenario(data, name="referee"))
     peak = result.peak()
     by_category: dict[str, int] = {}
     for ours, theirs in TRACKER_CATEGORY.items():

@@ -35,7 +35,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
         "fsdp_sim.torch_tools needs PyTorch; install it with `pip install fsdp-sim[torch]`"
     ) from exc
 
-__all__ = ["ReferenceConfig", "ReferenceTransformer", "TransformerBlock", "loss_fn"]
+__all__ = ["ReferenceConfig", "ReferenceTransformer", "TransformerBlock", "example_1b", "loss_fn"]
 
 
 @dataclass
@@ -153,3 +153,9 @@ class ReferenceTransformer(nn.Module):
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy on fp32-upcast logits (torchtitan's ``cross_entropy_loss``)."""
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(0, 1))
+
+
+def example_1b() -> tuple[ReferenceTransformer, object]:
+    """A 1.1 B-parameter Llama-style model (TinyLlama's shape) and its loss, for `fsdp-sim trace`."""
+    cfg = ReferenceConfig(hidden=2048, layers=22, heads=32, kv_heads=4, ffn_hidden=5632, vocab=32000)
+    return ReferenceTransformer(cfg), loss_fn

@@ -50,6 +50,8 @@ class Module:
 
     `tied_params` names parameters owned by an earlier module that this one also uses (a tied output
     head): its backward produces their gradient, so that gradient exists from this module's backward on.
+    `fwd_time_s` / `bwd_time_s`: measured compute durations of the module's forward / backward (seconds,
+    e.g. from a profiler trace, see `workload/profile_trace.py`); None when only FLOPs and bytes are known.
     """
 
     name: str
@@ -66,6 +68,8 @@ class Module:
     saves_input: bool = True
     is_block: bool = False
     in_model: bool = True
+    fwd_time_s: float | None = None
+    bwd_time_s: float | None = None
 
     @property
     def numel(self) -> int:
