@@ -11,9 +11,9 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from fsdp_sim.dtypes import DTYPE_BYTES
+from fsdp_sim.datafile import read_data
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.hardware.profiles import Cluster, load_profile
 from fsdp_sim.schedule.settings import OPTIMIZER_STATES, FSDPSettings
@@ -193,10 +193,4 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
 
 def load_scenario(path: str | Path) -> Scenario:
     path = Path(path)
-    if not path.is_file():
-        raise ScenarioError(f"scenario file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ScenarioError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-    return parse_scenario(data, name=path.stem, base=path.parent)
+    return parse_scenario(read_data(path, "scenario"), name=path.stem, base=path.parent)

@@ -100,7 +100,7 @@ def test_file_errors_name_the_file(tmp_path):
         load_workload(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: [unclosed\n")
-    with pytest.raises(ScenarioError, match="bad.yaml: not valid YAML"):
+    with pytest.raises(ScenarioError, match="model.workload: .*bad.yaml is not valid YAML"):
         load_workload(bad)
     neg = tmp_path / "neg.yaml"
     data = _data()

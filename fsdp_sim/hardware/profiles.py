@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-import yaml
 
+from fsdp_sim.datafile import read_data
 from fsdp_sim.errors import ScenarioError
 
 REPO_PROFILES = Path(__file__).resolve().parents[2] / "hardware_profiles"
@@ -131,10 +131,4 @@ def load_profile(name_or_path: str) -> GpuProfile:
             raise ScenarioError(f"hardware.profile: unknown profile {name_or_path!r}, expected one of {profile_names()} "
                                 f"or a path to a .yaml file")
         path = found[0]
-    elif not path.is_file():
-        raise ScenarioError(f"hardware.profile: file not found: {name_or_path}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ScenarioError(f"hardware.profile: {path} is not valid YAML ({str(exc).splitlines()[0]})") from None
-    return parse_profile(data, str(path))
+    return parse_profile(read_data(path, "hardware.profile"), str(path))

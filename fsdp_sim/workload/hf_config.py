@@ -21,11 +21,11 @@ is computed in full; rotary embeddings have no parameters.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
 from fsdp_sim.dtypes import itemsize
+from fsdp_sim.datafile import read_data
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.workload.model import Param, Workload
 from fsdp_sim.workload.moe import MoESpec, apply_moe
@@ -117,13 +117,7 @@ class _Config:
 
 
 def load_hf_config(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise ScenarioError(f"model.hf_config: file not found: {path}")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ScenarioError(f"model.hf_config: {path} is not valid JSON ({exc})") from None
+    data = read_data(path, "model.hf_config", fmt="json")
     if not isinstance(data, dict):
         raise ScenarioError(f"model.hf_config: {path} must hold a JSON object")
     return data

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from fsdp_sim.dtypes import DTYPE_BYTES
+from fsdp_sim.datafile import read_data
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.workload.model import Module, Param, Workload
 
@@ -73,13 +74,7 @@ def save_workload(workload: Workload, path: str | Path) -> None:
 
 def load_workload(path: str | Path) -> Workload:
     """Read and check a workload file written by `save_workload` (or by hand)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ScenarioError(f"workload file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text())  # YAML is a superset of JSON
-    except yaml.YAMLError as exc:
-        raise ScenarioError(f"workload {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    data = read_data(path, "model.workload")
     try:
         return workload_from_dict(data)
     except ScenarioError as exc:

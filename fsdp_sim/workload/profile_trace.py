@@ -19,7 +19,6 @@ trace does not mention keep `None`. Reading the trace is pure Python (no torch n
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 from bisect import bisect_right
@@ -27,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from fsdp_sim.datafile import read_data
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.workload.model import Workload
 
@@ -37,13 +37,7 @@ _US = 1e-6  # Chrome trace timestamps and durations are microseconds
 
 def load_trace_events(path: str | Path) -> list[dict]:
     """The complete ('X') events of a Chrome trace file (`{"traceEvents": [...]}` or a bare list)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ScenarioError(f"compute.trace: file not found: {path}")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ScenarioError(f"compute.trace: {path} is not valid JSON ({exc})") from None
+    data = read_data(path, "compute.trace", fmt="json")
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
         raise ScenarioError(f"compute.trace: {path} has no traceEvents list (not a Chrome trace)")
