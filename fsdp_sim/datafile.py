@@ -14,6 +14,8 @@ import yaml
 
 from fsdp_sim.errors import ScenarioError
 
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's safe loader when PyYAML has it
+
 
 def read_data(path: str | Path, key: str, *, fmt: str = "yaml") -> Any:
     """The parsed content of a YAML (a superset of JSON) or JSON file; `key` names it in errors."""
@@ -22,7 +24,7 @@ def read_data(path: str | Path, key: str, *, fmt: str = "yaml") -> Any:
         raise ScenarioError(f"{key}: file not found: {path}")
     try:
         text = path.read_text()
-        return json.loads(text) if fmt == "json" else yaml.safe_load(text)
+        return json.loads(text) if fmt == "json" else yaml.load(text, Loader=_SAFE_LOADER)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ScenarioError(f"{key}: {path} is not valid JSON ({exc})") from None
     except yaml.YAMLError as exc:

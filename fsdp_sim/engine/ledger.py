@@ -72,6 +72,7 @@ def replay(ops: list[Op], persistent: list[Buffer], start: np.ndarray) -> Memory
         initial[_CAT_INDEX[b.category]] += b.nbytes
     times, cats, deltas, events = [0.0], [], [], []
     t = 0.0
+    start = start.tolist()
     for op in ops:
         kind = op.kind
         if kind == "alloc":
@@ -94,7 +95,8 @@ def replay(ops: list[Op], persistent: list[Buffer], start: np.ndarray) -> Memory
             sign = -1
         else:
             continue
-        t = max(t, float(start[op.id]))
+        if start[op.id] > t:
+            t = start[op.id]
         times.append(t)
         cats.append(_CAT_INDEX[buf.category])
         deltas.append(sign * buf.nbytes)

@@ -54,22 +54,31 @@ class _Player:
         return ev
 
     def stream(self, ops: list[Op]):
-        env = self.env
+        env, start, end, finished, waiters = self.env, self.start, self.end, self.finished, self.waiters
+        duration = self.duration
+        now = env.now  # refreshed after every yield: time only moves while this process waits
         for op in ops:
+            i = op.id
             for d in op.deps:
-                if not self.finished[d]:
+                if not finished[d]:
                     yield self._wait(d)
-            if op.kind in COLLECTIVES:
-                self.arrived[op.id] = True
-                if (ev := self.arrivals.pop(op.id, None)) is not None:
+                    now = env.now
+            kind = op.kind
+            if kind in COLLECTIVES:
+                self.arrived[i] = True
+                if (ev := self.arrivals.pop(i, None)) is not None:
                     ev.succeed()
-                if not self.finished[op.id]:
-                    yield self._wait(op.id)
+                if not finished[i]:
+                    yield self._wait(i)
+                    now = env.now
                 continue
-            self.start[op.id] = env.now
-            if op.kind in TIMED_KINDS and (dur := self.duration(op)) > 0:
+            start[i] = now
+            if kind in TIMED_KINDS and (dur := duration(op)) > 0:
                 yield env.timeout(dur)
-            self._finish(op.id)
+                now = env.now
+            end[i], finished[i] = now, True  # inline of _finish: this loop is the engine's hot path
+            if waiters and (ev := waiters.pop(i, None)) is not None:
+                ev.succeed()
 
     def lane(self, ops: list[Op]):
         env = self.env
@@ -98,7 +107,7 @@ def play(ops: list[Op], duration: Callable[[Op], float]) -> Timing:
     for queue in lanes.values():
         player.env.process(player.lane(queue))
     player.env.run()
-    unfinished = [op.name for op, done in zip(ops, player.finished) if not done]
-    if unfinished:
-        raise RuntimeError(f"deadlock: {len(unfinished)} ops never ran, first {unfinished[0]!r}")
+    if not all(player.finished):
+        first = next(op for op, done in zip(ops, player.finished) if not done)
+        raise RuntimeError(f"deadlock: ops never ran, first {first.name!r}")
     return Timing(np.array(player.start), np.array(player.end))

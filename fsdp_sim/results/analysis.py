@@ -63,9 +63,12 @@ class StepResult:
             start, end = self.timing.start.tolist(), self.timing.end.tolist()
             busy, comm = [], []
             for op in self.graph.ops:
-                if op.kind in COLLECTIVES:
+                kind = op.kind
+                if kind == "alloc" or kind == "free":
+                    continue
+                if kind in COLLECTIVES:
                     comm.append((start[op.id], end[op.id]))
-                elif op.stream == "compute" and (op.kind == "compute" or op.kind == "copy"):
+                elif op.stream == "compute":
                     busy.append((start[op.id], end[op.id]))
             self._activity_cache = (_merge(busy), comm)
         return self._activity_cache

@@ -36,6 +36,7 @@ class FSDP2Runtime:
         self.unsharded: dict[str, Buffer | None] = {u.name: None for u in units}
         self.pending_all_gather: dict[str, tuple[Buffer, Op] | None] = {}  # None: shard group of one
         self.all_gather_state: tuple[Buffer, Op] | None = None
+        self.all_gather_streams_wait: Op | None = None  # an event the next copy-in waits on
         self.reduce_scatter_state: tuple[Buffer, Op] | None = None
         self.post_forward_order: list[Unit] = []
         self.unsharded_grads: dict[str, Buffer] = {}
@@ -162,7 +163,9 @@ class FSDP2Runtime:
         cast = s.param_dtype != s.storage_dtype
         temp = g.alloc(COPY_IN, f"{u.name} all-gather copy-in cast", "temporaries", shard * s.param_bytes) if cast else None
         out = g.alloc(COPY_IN, f"{u.name} all-gather output", "all_gather_buffers", shard * s.shard_size * s.param_bytes)
-        copy_in = g.add("copy", COPY_IN, f"{u.name} all-gather copy-in", hbm_bytes=shard * (s.storage_bytes + s.param_bytes))
+        copy_in = g.add("copy", COPY_IN, f"{u.name} all-gather copy-in", deps=(self.all_gather_streams_wait,),
+                        hbm_bytes=shard * (s.storage_bytes + s.param_bytes))
+        self.all_gather_streams_wait = None
         ag = g.add("all_gather", AG, f"{u.name} all-gather", deps=(copy_in,), group=SHARD_GROUP, comm_bytes=out.nbytes)
         if temp is not None:
             g.free(COPY_IN, temp)  # dropped when the all-gather call returns
@@ -188,6 +191,8 @@ class FSDP2Runtime:
         # forward: this output stays referenced until the next unit's copy-out, so the next
         # copy-in/all-gather never overwrite memory still being copied out
         if self.all_gather_state is not None:
+            # the all-gather streams wait the previous copy-out before that output is dropped
+            self.all_gather_streams_wait = self.all_gather_state[1]
             g.free(COMPUTE, self.all_gather_state[0])
         self.all_gather_state = (out, copy_out)
 
