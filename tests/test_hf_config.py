@@ -61,9 +61,9 @@ def test_every_shipped_config_has_a_published_total():
 
 
 def test_llama3_8b_config_is_the_llama3_8b_preset():
-    """Same model; Hugging Face's LlamaRMSNorm is the composite (fp32-upcasting) RMSNorm."""
+    """Same model; Hugging Face's LlamaRMSNorm upcasts to fp32 and casts back before its weight."""
     wl = build("llama3-8b", micro_batch=2, seq_len=4096)
-    dims = replace(PRESETS["llama3-8b"], norm_impl="composite")
+    dims = replace(PRESETS["llama3-8b"], norm_impl="hf_llama")
     preset = build_transformer(dims, micro_batch=2, seq_len=4096, act_dtype="bf16", name="llama3-8b")
     assert wl.numel == preset.numel
     assert sum(m.saved_bytes for m in wl.modules) == sum(m.saved_bytes for m in preset.modules)

@@ -202,8 +202,8 @@ def decoder_dims(c: _Config) -> tuple[TransformerDims, set[str], bool]:
         mlp=mlp, norm=norm, bias=biases == {*ATTN, *MLP},
         tie_embeddings=c.bool("tie_word_embeddings", default=tie_default), learned_pos=learned,
         max_seq=c.int("n_positions", "n_ctx") if learned else 0, dropout=dropout, head_dim=head_dim,
-        # Hugging Face's RMSNorm modules (LlamaRMSNorm and kin) are composite: they upcast to fp32
-        norm_impl="composite")
+        # Hugging Face's RMSNorms upcast to fp32 (transformer.norm_saves); Gemma's applies its weight in fp32
+        norm_impl="composite" if mt == "gemma" else "hf_llama")
     try:
         dims = TransformerDims(**values)
     except ScenarioError as exc:  # say which file the values came from

@@ -57,7 +57,7 @@ class TransformerDims:
         if self.ffn_hidden is not None and self.ffn_hidden <= 0:
             raise ScenarioError(f"model.ffn_hidden: must be a positive integer, got {self.ffn_hidden}")
         choices = {"mlp": ("gelu", "swiglu"), "norm": ("rmsnorm", "layernorm"), "attention": ("sdpa", "eager"),
-                   "norm_impl": ("fused", "composite")}
+                   "norm_impl": ("fused", "composite", "hf_llama")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ScenarioError(f"model.{key}: {getattr(self, key)!r} is not one of {list(allowed)}")
@@ -119,14 +119,18 @@ def norm_saves(d: TransformerDims, tok: int, p: int) -> NormSaves:
 
     - LayerNorm (`native_layer_norm`) and fused RMSNorm (`nn.RMSNorm` on CUDA, `_fused_rms_norm`) keep
       their input and fp32 per-row statistics (mean and rstd, or rstd).
-    - Composite RMSNorm (Hugging Face's `LlamaRMSNorm`; `nn.RMSNorm` on the CPU) upcasts: it keeps the
-      fp32 input (a new copy when the input is 16-bit, the input itself when it is fp32), the fp32
-      normalized x * rstd for the weight gradient, and rstd.
+    - Composite RMSNorm (`nn.RMSNorm` on the CPU; Gemma's RMSNorm) upcasts and applies the weight in
+      fp32: it keeps the fp32 input (a new copy when the input is 16-bit, the input itself when it is
+      fp32), the fp32 normalized x * rstd for the weight gradient, and rstd.
+    - `hf_llama` (Hugging Face's `LlamaRMSNorm` and its copies in Mistral, Qwen2, Phi-3, Mixtral)
+      upcasts too but casts back before the weight: `weight * (x32 * rstd).to(dtype)` keeps the fp32
+      input, rstd and the normalized x in the activation dtype.
     """
     if d.norm == "layernorm" or d.norm_impl == "fused":
         return NormSaves(True, NORM_STAT_TENSORS[d.norm] * tok * 4)
     fp32_copy = tok * d.hidden * 4 if p != 4 else 0
-    return NormSaves(p == 4, fp32_copy + tok * d.hidden * 4 + tok * 4)
+    normalized = tok * d.hidden * (p if d.norm_impl == "hf_llama" else 4)
+    return NormSaves(p == 4, fp32_copy + normalized + tok * 4)
 
 
 @dataclass(frozen=True, slots=True)

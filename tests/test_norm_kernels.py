@@ -1,0 +1,73 @@
+"""What each RMSNorm implementation keeps for backward, checked against autograd itself.
+
+`norm_saves` is a closed form per kernel; here the real modules (written out as PyTorch and Hugging
+Face write them) are traced on fake tensors and their saved bytes compared with it. Skipped without torch.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fsdp_sim.torch_tools.trace import trace_module  # noqa: E402
+from fsdp_sim.workload.transformer import TransformerDims, norm_saves  # noqa: E402
+
+B, S, H = 2, 16, 64
+
+
+class LlamaRMSNorm(torch.nn.Module):
+    """transformers' LlamaRMSNorm (also Mistral's, Qwen2's, Phi-3's): cast back before the weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(H))
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + 1e-6)
+        return self.weight * x.to(dtype)
+
+
+class GemmaRMSNorm(torch.nn.Module):
+    """transformers' GemmaRMSNorm: the weight is applied in fp32, then the result is cast back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(H))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    def forward(self, x):
+        out = self._norm(x.float())
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+
+class Chain(torch.nn.Module):
+    """proj -> norm -> head, so the norm's input comes from a module and its output feeds one."""
+
+    def __init__(self, norm: torch.nn.Module) -> None:
+        super().__init__()
+        self.proj, self.norm, self.head = torch.nn.Linear(H, H), norm, torch.nn.Linear(H, H)
+
+    def forward(self, x):
+        return self.head(self.norm(self.proj(x)))
+
+
+# (impl, module, emulate CUDA kernels, bytes the closed form leaves out): Gemma also keeps its fp32
+# (1 + weight), one parameter-sized vector, which norm_saves (activations only) does not count.
+CASES = [("hf_llama", LlamaRMSNorm, True, 0), ("composite", lambda: torch.nn.RMSNorm(H), False, 0),
+         ("composite", GemmaRMSNorm, True, 4 * H), ("fused", lambda: torch.nn.RMSNorm(H), True, 0)]
+
+
+@pytest.mark.parametrize("impl, norm, cuda, parameter_sized", CASES, ids=["llama", "torch-cpu", "gemma", "torch-cuda"])
+@pytest.mark.parametrize("dtype, p", [("bf16", 2), ("fp32", 4)])
+def test_norm_saves_match_autograd(impl, norm, cuda, parameter_sized, dtype, p):
+    workload = trace_module(Chain(norm()), (torch.randn(B, S, H),), dtype=dtype, emulate_cuda=cuda)
+    traced = next(m for m in workload.modules if m.name == "norm")
+    expected = norm_saves(TransformerDims(hidden=H, layers=1, heads=4, vocab=8, norm_impl=impl), B * S, p)
+    assert traced.saves_input == expected.keeps_input
+    assert traced.saved_bytes == expected.extra + parameter_sized
