@@ -169,3 +169,17 @@ def test_summary_numbers_carry_units(happy):
         text = re.sub(r"shard \d+ x replicate \d+", "", line)
         for m in NUMBER.finditer(text):
             assert UNIT_AFTER.match(text, m.end()), f"number {m.group()!r} without unit in: {line!r}"
+
+
+def test_cli_surface_is_frozen():
+    """Scripts call these commands and options: renaming one is a breaking change, made here on purpose."""
+    from fsdp_sim.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    surface = {name: sorted(opt for a in p._actions for opt in a.option_strings) for name, p in sub.choices.items()}
+    assert surface == {
+        "run": sorted(["--json", "--quiet", "--safety-margin", "--timeline-csv", "--trace", "-h", "--help", "-q"]),
+        "trace": sorted(["--batch", "--block-type", "--dtype", "--input-shape", "--name", "--output", "--quiet", "--seq",
+                         "-h", "--help", "-o", "-q"]),
+    }

@@ -1,0 +1,44 @@
+"""Golden files: the full result of two tiny scenarios, so any change in behaviour shows up in review.
+
+A behaviour change is a deliberate act: regenerate with `FSDP_SIM_REGEN_GOLDEN=1 python -m pytest
+tests/test_golden.py` and let the diff of tests/golden/*.json explain itself in the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from fsdp_sim.results.export import timeline_csv
+from fsdp_sim.scenario import parse_scenario
+from fsdp_sim.simulate import simulate
+
+GOLDEN = Path(__file__).parent / "golden"
+TINY = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn_hidden": 176, "vocab": 1003}
+SCENARIOS = {
+    "tiny-full-shard": {"model": TINY, "training": {"micro_batch": 2, "seq_len": 32},
+                        "hardware": {"profile": "h100-sxm", "gpus_per_node": 4}},
+    "tiny-hsdp-ac-sgd": {"model": TINY | {"mlp": "gelu", "tie_embeddings": True},
+                         "training": {"micro_batch": 1, "seq_len": 64, "optimizer": "sgd", "activation_checkpointing": "full"},
+                         "hardware": {"profile": "a100-80gb", "nodes": 2, "gpus_per_node": 2},
+                         "fsdp": {"sharding_strategy": "HYBRID_SHARD"}},
+}
+
+
+def _snapshot(data: dict) -> dict:
+    result = simulate(parse_scenario(data, name="golden"))
+    csv = timeline_csv(result).splitlines()
+    return {"result": json.loads(json.dumps(result.to_dict())), "timeline_rows": len(csv) - 1,
+            "timeline_head": csv[:4], "timeline_tail": csv[-3:]}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_result_matches_golden_file(name):
+    path = GOLDEN / f"{name}.json"
+    snapshot = _snapshot(SCENARIOS[name])
+    if os.environ.get("FSDP_SIM_REGEN_GOLDEN"):
+        path.write_text(json.dumps(snapshot, indent=1, sort_keys=True) + "\n")
+    assert snapshot == json.loads(path.read_text()), f"{name}: behaviour changed; see the module docstring"
