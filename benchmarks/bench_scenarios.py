@@ -2,11 +2,13 @@
 
 Prints a table: scenario, world size, FSDP units, ops in the graph, and the median / min wall time of
 `simulate()` over N runs on one core (scenario parsing excluded; it happens once per sweep point too,
-so it is timed separately). Run: python benchmarks/bench_scenarios.py [N]
+so it is timed separately); then the throughput of a 64-point sweep on all cores.
+Run: python benchmarks/bench_scenarios.py [N]
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from fsdp_sim.scenario import load_scenario
 from fsdp_sim.simulate import simulate
+from fsdp_sim.sweep import sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,6 +42,19 @@ def main() -> None:
     for name, world, units, ops, parse, med, best in rows:
         print(f"{name:<34}{world:>6}{units:>7}{ops:>7}{parse * 1e3:>10.1f}{med * 1e3:>11.1f}{best * 1e3:>9.1f}")
     print(f"(simulate() + to_dict(), {repeats} runs each, one process, one core)")
+    sweep_throughput()
+
+
+def sweep_throughput() -> None:
+    """Configurations per second of `fsdp-sim sweep` over a 64-point llama3-8b grid, all cores."""
+    axes = ["training.micro_batch=1,2,4,8", "fsdp.wrap=per_block,whole_model",
+            "training.activation_checkpointing=none,full", "fsdp.reshard_after_forward=true,false",
+            "fsdp.backward_prefetch=true,false"]
+    t0 = time.perf_counter()
+    _, rows = sweep(str(ROOT / "scenarios" / "llama3-8b-8xh100.yaml"), axes)
+    elapsed = time.perf_counter() - t0
+    print(f"sweep: {len(rows)} llama3-8b configurations in {elapsed:.2f} s "
+          f"({len(rows) / elapsed:.0f} configurations/s on {os.cpu_count()} cores, process start included)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """`fsdp-sim run SCENARIO [--json F] [--trace F] [--timeline-csv F]`;
+`fsdp-sim sweep SCENARIO --set KEY=V1,V2 ... [-o rows.csv]`;
 `fsdp-sim trace package.module:factory --batch B --seq S -o workload.yaml`.
 
 Argument parsing, file writing and error messages; nothing else. Bad input (`ScenarioError`) becomes one
@@ -69,6 +70,37 @@ def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    import csv
+    import io
+
+    from fsdp_sim.results.report import fmt_bytes, fmt_time
+    from fsdp_sim.sweep import COLUMNS, sweep
+
+    if args.jobs is not None and args.jobs <= 0:
+        raise ScenarioError(f"--jobs: must be a positive integer, got {args.jobs}")
+    keys, rows = sweep(args.scenario, args.set, jobs=args.jobs)
+    if args.output:
+        if args.output.lower().endswith(".json"):
+            _write(args.output, json.dumps(rows, indent=1) + "\n")
+        else:
+            out = io.StringIO()
+            writer = csv.DictWriter(out, fieldnames=[*keys, *COLUMNS])
+            writer.writeheader()
+            writer.writerows(rows)
+            _write(args.output, out.getvalue())
+    if not args.quiet:
+        print("  ".join(f"{k:>20}" for k in keys) + f"{'step time':>12}{'peak alloc':>12}{'required':>12}  fits")
+        for row in rows:
+            swept = "  ".join(f"{str(row[k]):>20}" for k in keys)
+            if row["error"]:
+                print(f"{swept}  error: {row['error']}")
+            else:
+                print(f"{swept}{fmt_time(row['step_time_s']):>12}{fmt_bytes(row['peak_allocated_bytes']):>12}"
+                      f"{fmt_bytes(row['required_bytes']):>12}  {'yes' if row['fits'] else 'no'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdp-sim", description="Simulate one PyTorch FSDP training step.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -80,6 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--safety-margin", type=float, metavar="FRACTION", help="memory kept free (default: scenario, 0.10)")
     run.add_argument("-q", "--quiet", action="store_true", help="print nothing; write only the files asked for")
     run.set_defaults(func=_run)
+    sweep = sub.add_parser("sweep", help="simulate every combination of a few scenario keys, in parallel",
+                           description="Simulate the cartesian product of the --set values over a base scenario.")
+    sweep.add_argument("scenario", help="path to the base scenario YAML file")
+    sweep.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2",
+                       help="a dotted scenario key and its values, e.g. training.micro_batch=1,2,4 (repeatable)")
+    sweep.add_argument("--jobs", type=int, help="worker processes (default: one per CPU)")
+    sweep.add_argument("-o", "--output", metavar="FILE", help="write every row as CSV (or JSON for .json)")
+    sweep.add_argument("-q", "--quiet", action="store_true", help="print nothing")
+    sweep.set_defaults(func=_sweep)
     trace = sub.add_parser("trace", help="trace a PyTorch model (fake tensors, CPU) into a workload file",
                            description="Run one forward and backward of factory()'s model on fake tensors and write "
                                        "its workload (reference it from a scenario as model: {workload: FILE}).")

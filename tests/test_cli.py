@@ -180,6 +180,7 @@ def test_cli_surface_is_frozen():
     surface = {name: sorted(opt for a in p._actions for opt in a.option_strings) for name, p in sub.choices.items()}
     assert surface == {
         "run": sorted(["--json", "--quiet", "--safety-margin", "--timeline-csv", "--trace", "-h", "--help", "-q"]),
+        "sweep": sorted(["--jobs", "--output", "--quiet", "--set", "-h", "--help", "-o", "-q"]),
         "trace": sorted(["--batch", "--block-type", "--dtype", "--input-shape", "--name", "--output", "--quiet", "--seq",
                          "-h", "--help", "-o", "-q"]),
     }
