@@ -206,3 +206,19 @@ def test_size_based_wrapping_the_embedding_keeps_root_hooks():
     assert any(op.kind == "reduce_scatter" for op in root), "root gradients never reduce-scattered"
     persistent = {b.id for b in r.graph.persistent}
     assert [b.name for b in r.memory.live_at_end if b.id not in persistent] == []
+
+
+@SETTINGS
+@given(scenario_dicts())
+def test_op_graph_is_a_dag_the_timing_respects(data):
+    """The op graph (stream order + event waits, as networkx sees it) has no cycle, every event edge
+    points back in issue order, and no op starts before any of its predecessors ends."""
+    import networkx as nx
+
+    _, r = run(data)
+    dag = r.graph.to_networkx()
+    assert nx.is_directed_acyclic_graph(dag)
+    start, end = r.timing.start, r.timing.end
+    for a, b, why in dag.edges(data="why"):
+        assert a < b, f"{why} edge {a} -> {b} points forward in issue order"
+        assert start[b] >= end[a] - 1e-15
