@@ -29,20 +29,24 @@ class MemoryTrace:
 
     time: np.ndarray  # (n+1,) seconds
     levels: np.ndarray  # (n+1, len(CATEGORIES)) bytes per category after each event
-    events: list[tuple[Op | None, Buffer, int]]  # (op, buffer, +1 alloc / -1 free), row i+1
+    events: list[tuple[Op, Buffer, int]]  # (op, buffer, +1 alloc / -1 free), row i+1
     persistent: list[Buffer]
     live_at_end: list[Buffer]
+    reserved_bytes: int  # the caching allocator's model: see `replay`
 
     @property
     def total(self) -> np.ndarray:
         return self.levels.sum(axis=1)
 
-    reserved_bytes: int  # the caching allocator's model: see `replay`
-    lifetimes: list[tuple[Buffer, int, int]]  # (buffer, row allocated, row freed or n+1)
-
     def live_at(self, row: int) -> list[Buffer]:
         """Buffers alive after event `row` (row 0: the persistent state)."""
-        return [b for b, born, dead in self.lifetimes if born <= row < dead]
+        live = {b.id: b for b in self.persistent}
+        for _, buf, sign in self.events[:row]:
+            if sign > 0:
+                live[buf.id] = buf
+            else:
+                del live[buf.id]
+        return list(live.values())
 
 
 def allocator_size(nbytes: int) -> int:
@@ -61,11 +65,8 @@ def replay(ops: list[Op], persistent: list[Buffer], start: np.ndarray) -> Memory
     live blocks, and the reserved total is their sum. Fragmentation inside a pool is not modelled,
     so this is a lower bound of `torch.cuda.max_memory_reserved`.
     """
-    live: dict[int, Buffer] = {b.id: b for b in persistent}
-    born: dict[int, int] = {b.id: 0 for b in persistent}
-    lifetimes: list[tuple[Buffer, int, int]] = []
-    pool_of: dict[int, str] = {b.id: "compute" for b in persistent}
-    level = {"compute": sum(allocator_size(b.nbytes) for b in persistent)}
+    live: dict[int, tuple[Buffer, str, int]] = {b.id: (b, "compute", allocator_size(b.nbytes)) for b in persistent}
+    level = {"compute": sum(block for _, _, block in live.values())}
     high = dict(level)
     initial = np.zeros(len(CATEGORIES))
     for b in persistent:
@@ -79,30 +80,27 @@ def replay(ops: list[Op], persistent: list[Buffer], start: np.ndarray) -> Memory
             buf = op.buffer
             if buf.id in live:
                 raise LedgerError(f"buffer {buf.name!r} allocated twice")
-            live[buf.id] = buf
-            born[buf.id] = len(times)
-            pool = pool_of[buf.id] = op.stream
-            level[pool] = used = level.get(pool, 0) + allocator_size(buf.nbytes)
+            pool, block = op.stream, allocator_size(buf.nbytes)
+            live[buf.id] = (buf, pool, block)
+            level[pool] = used = level.get(pool, 0) + block
             if used > high.get(pool, 0):
                 high[pool] = used
-            sign = 1
+            deltas.append(buf.nbytes)
+            events.append((op, buf, 1))
         elif kind == "free":
             buf = op.buffer
-            if live.pop(buf.id, None) is None:
+            entry = live.pop(buf.id, None)
+            if entry is None:
                 raise LedgerError(f"buffer {buf.name!r} freed twice or never allocated (op {op.name!r}, {op.phase})")
-            lifetimes.append((buf, born.pop(buf.id), len(times)))
-            level[pool_of[buf.id]] -= allocator_size(buf.nbytes)
-            sign = -1
+            level[entry[1]] -= entry[2]
+            deltas.append(-buf.nbytes)
+            events.append((op, buf, -1))
         else:
             continue
         if start[op.id] > t:
             t = start[op.id]
         times.append(t)
         cats.append(_CAT_INDEX[buf.category])
-        deltas.append(sign * buf.nbytes)
-        events.append((op, buf, sign))
-    end = len(times)
-    lifetimes += [(b, born[b.id], end) for b in live.values()]
     delta = np.zeros((len(deltas) + 1, len(CATEGORIES)))
     delta[0] = initial
     if deltas:
@@ -111,5 +109,5 @@ def replay(ops: list[Op], persistent: list[Buffer], start: np.ndarray) -> Memory
     if (levels < 0).any():
         row, col = np.argwhere(levels < 0)[0]
         raise LedgerError(f"{CATEGORIES[col]} went negative at event {row} ({events[row - 1][1].name!r})")
-    return MemoryTrace(np.array(times), levels, events, list(persistent), list(live.values()),
-                       int(sum(high.values())), lifetimes)
+    return MemoryTrace(np.array(times), levels, events, list(persistent), [b for b, _, _ in live.values()],
+                       int(sum(high.values())))

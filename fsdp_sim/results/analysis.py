@@ -111,7 +111,7 @@ class StepResult:
         reserved = self.memory.reserved_bytes
         by_category = {c: int(v) for c, v in zip(CATEGORIES, levels)}
         by_category.update(cuda_context=gpu.cuda_context_bytes, nccl=gpu.nccl_bytes, fragmentation=reserved - allocated)
-        live = sorted(self.memory.live_at(row), key=lambda b: -b.nbytes)[:top]
+        live = sorted(self.memory.live_at(row), key=lambda b: (-b.nbytes, b.id))[:top]
         return {"allocated_bytes": allocated, "reserved_bytes": reserved, "time_s": float(self.memory.time[row]),
                 "phase": op.phase if op else "before step", "unit": (op.unit or None) if op else None,
                 "op": op.name if op else None, "by_category": by_category,
