@@ -115,7 +115,7 @@ class StepResult:
         return {"allocated_bytes": allocated, "reserved_bytes": reserved, "time_s": float(self.memory.time[row]),
                 "phase": op.phase if op else "before step", "unit": (op.unit or None) if op else None,
                 "op": op.name if op else None, "by_category": by_category,
-                "live_buffers": [{"name": b.name, "category": b.category, "bytes": b.nbytes, "unit": b.unit} for b in live]}
+                "live_buffers": [{"name": b.name, "category": b.category, "bytes": b.nbytes, "unit": b.unit or None} for b in live]}
 
     def memory_summary(self, peak: dict) -> dict:
         gpu = self.scenario.cluster.gpu

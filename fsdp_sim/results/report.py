@@ -33,7 +33,7 @@ def summary(d: dict) -> str:
         + (f", all-reduce {fmt_bytes(comm['all_reduce_bytes'])}" if comm["all_reduce_bytes"] else ""),
         "",
         f"Peak allocated       {fmt_bytes(peak['allocated_bytes'])} at {fmt_time(peak['time_s'])} "
-        f"({peak['phase']}, unit {peak['unit']}, op '{peak['op']}')",
+        f"({peak['phase']}, {'unit ' + peak['unit'] if peak['unit'] else 'outside the FSDP units'}, op '{peak['op']}')",
         f"Peak reserved        {fmt_bytes(peak['reserved_bytes'])} (allocator pools per stream, no fragmentation model)",
         "  by category at the peak:",
     ]

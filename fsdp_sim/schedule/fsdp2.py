@@ -64,6 +64,7 @@ class FSDP2Runtime:
                 self.pre_forward(self.root)
             if unit is not None and self.first[unit.name] == m.name:
                 self.pre_forward(unit)
+            g.unit = self._owner(m, unit)
             self.forward_compute(m, prev)
             if unit is not None and self.last[unit.name] == m.name:
                 self.post_forward(unit)
@@ -79,6 +80,7 @@ class FSDP2Runtime:
                 self.pre_backward(self.root)
             if unit is not None and self.last[unit.name] == m.name:
                 self.pre_backward(unit)
+            g.unit = self._owner(m, unit)
             self.backward_compute(m, modules[i - 1] if i else None, modules[i + 1] if i + 1 < len(modules) else None)
             if unit is not None and self.first[unit.name] == m.name:
                 self.post_backward(unit)
@@ -88,6 +90,12 @@ class FSDP2Runtime:
         self.optimizer_step(last_reduce)
         g.free(COMPUTE, inputs)
         return g
+
+    def _owner(self, m: Module, unit: Unit | None) -> str:
+        """The unit whose parameters a module's compute uses: its own, the root's, or none (the loss)."""
+        if unit is not None:
+            return unit.name
+        return self.root.name if m.in_model else ""
 
     def _persistent_state(self) -> None:
         """Sharded fp32 parameters (dim-0 padded) and optimizer states exist before the step."""
