@@ -43,6 +43,13 @@ def _run(args: argparse.Namespace) -> int:
         _write(args.trace, json.dumps(chrome_trace(result)))
     if args.timeline_csv:
         _write(args.timeline_csv, timeline_csv(result))
+    if args.plot:
+        from fsdp_sim.results.plot import step_figure
+
+        try:
+            step_figure(result).savefig(args.plot, dpi=120)
+        except (OSError, ValueError) as exc:
+            raise ScenarioError(f"--plot {args.plot}: {exc}") from None
     if not args.quiet:
         print(summary(data))
     return 0
@@ -109,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", metavar="FILE", help="write the full result as JSON")
     run.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace (open in ui.perfetto.dev)")
     run.add_argument("--timeline-csv", metavar="FILE", help="write the memory timeline as CSV")
+    run.add_argument("--plot", metavar="FILE.png", help="draw memory by category and the streams (needs matplotlib)")
     run.add_argument("--safety-margin", type=float, metavar="FRACTION", help="memory kept free (default: scenario, 0.10)")
     run.add_argument("-q", "--quiet", action="store_true", help="print nothing; write only the files asked for")
     run.set_defaults(func=_run)

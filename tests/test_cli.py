@@ -179,8 +179,19 @@ def test_cli_surface_is_frozen():
     sub = next(a for a in parser._actions if a.dest == "command")
     surface = {name: sorted(opt for a in p._actions for opt in a.option_strings) for name, p in sub.choices.items()}
     assert surface == {
-        "run": sorted(["--json", "--quiet", "--safety-margin", "--timeline-csv", "--trace", "-h", "--help", "-q"]),
+        "run": sorted(["--json", "--plot", "--quiet", "--safety-margin", "--timeline-csv", "--trace", "-h", "--help", "-q"]),
         "sweep": sorted(["--jobs", "--output", "--quiet", "--set", "-h", "--help", "-o", "-q"]),
         "trace": sorted(["--batch", "--block-type", "--dtype", "--input-shape", "--name", "--output", "--quiet", "--seq",
                          "-h", "--help", "-o", "-q"]),
     }
+
+
+def test_plot_writes_a_png(tmp_path):
+    """`--plot` draws the memory timeline and the streams (skipped without matplotlib)."""
+    pytest.importorskip("matplotlib")
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(yaml.safe_dump({"model": {"hidden": 64, "layers": 2, "heads": 4, "vocab": 256},
+                                        "training": {"seq_len": 32}, "hardware": {"profile": "h100-sxm"}}))
+    out = tmp_path / "step.png"
+    assert main(["run", str(scenario), "-q", "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
