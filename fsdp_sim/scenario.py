@@ -126,13 +126,15 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     model = _expect("model", {"preset": model} if isinstance(model, str) else model)
 
     training = _expect("training", data.get("training"))
-    _check_keys("training", training, {"micro_batch", "seq_len", "optimizer", "activation_checkpointing"})
+    _check_keys("training", training, {"micro_batch", "seq_len", "grad_accumulation", "optimizer",
+                                       "activation_checkpointing"})
     if isinstance(data["model"], dict) and "workload" in data["model"]:
         for key in ("micro_batch", "seq_len"):
             if key in training:
                 raise ScenarioError(f"training.{key}: not allowed with model.workload (the trace fixed the batch shape)")
     micro_batch = _get("training", training, "micro_batch", int, 1, positive=True)
     seq_len = _get("training", training, "seq_len", int, 2048, positive=True)
+    grad_accumulation = _get("training", training, "grad_accumulation", int, 1, positive=True)
     optimizer = _get("training", training, "optimizer", str, "adamw", choices=tuple(OPTIMIZER_STATES))
     ac = _get("training", training, "activation_checkpointing", str, "none", choices=("none", "full"))
 
@@ -146,7 +148,8 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
 
     fsdp = _expect("fsdp", data.get("fsdp"))
     _check_keys("fsdp", fsdp, {"version", "wrap", "blocks_per_unit", "min_params", "sharding_strategy",
-                               "shard_size", "reshard_after_forward", "backward_prefetch", "mixed_precision"})
+                               "shard_size", "reshard_after_forward", "backward_prefetch", "requires_gradient_sync",
+                               "mixed_precision"})
     version = _get("fsdp", fsdp, "version", int, 2, choices=(2,))
     del version  # FSDP1 mode is not modelled yet; only 2 is accepted
     wrap = _get("fsdp", fsdp, "wrap", str, "per_block", choices=POLICIES)
@@ -159,6 +162,7 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
         raise ScenarioError(f"fsdp.reshard_after_forward: {raf} contradicts sharding_strategy {strategy} (which implies {reshard})")
     reshard = reshard if raf is None else raf
     backward_prefetch = _get("fsdp", fsdp, "backward_prefetch", bool, True)
+    requires_gradient_sync = _get("fsdp", fsdp, "requires_gradient_sync", bool, True)
     shard_size = {"1d": world, "2d": gpn, "replicate": 1}[mesh]
     shard_size = _get("fsdp", fsdp, "shard_size", int, shard_size, positive=True)
     if world % shard_size:
@@ -186,7 +190,8 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     units = make_units(workload, wrap, k=k, min_params=min_params)
     settings = FSDPSettings(shard_size=shard_size, replicate_size=world // shard_size, reshard_after_forward=reshard,
                             param_dtype=param_dtype, reduce_dtype=reduce_dtype, optimizer=optimizer,
-                            activation_checkpointing=ac == "full", backward_prefetch=backward_prefetch)
+                            activation_checkpointing=ac == "full", backward_prefetch=backward_prefetch,
+                            grad_accumulation=grad_accumulation, requires_gradient_sync=requires_gradient_sync)
     return Scenario(name=_get("scenario", data, "name", str, name), workload=workload, units=units, cluster=cluster,
                     settings=settings, wrap=wrap, sharding_strategy=strategy, safety_margin=margin)
 

@@ -72,7 +72,7 @@ def scenario_dicts(draw) -> dict:
     nodes, gpn = draw(st.integers(1, 2)), draw(st.integers(1, 8))
     wrap = draw(st.sampled_from(POLICIES))
     fsdp = {"wrap": wrap, "sharding_strategy": draw(st.sampled_from(sorted(STRATEGIES))),
-            "backward_prefetch": draw(st.booleans()),
+            "backward_prefetch": draw(st.booleans()), "requires_gradient_sync": draw(st.booleans()),
             "mixed_precision": {"param_dtype": draw(st.sampled_from(["fp32", "bf16"])),
                                 "reduce_dtype": draw(st.sampled_from(["fp32", "bf16"]))}}
     if draw(st.booleans()):  # an explicit shard group size (FSDP2's 2-D mesh), any divisor of the world
@@ -83,6 +83,7 @@ def scenario_dicts(draw) -> dict:
     if wrap == "size_based":
         fsdp["min_params"] = 1 + draw(st.integers(0, 2 * model["layers"] * _block_numel(model)))
     training = {"micro_batch": draw(st.integers(1, 4)), "seq_len": draw(st.integers(8, 256)),
+                "grad_accumulation": draw(st.integers(1, 3)),
                 "optimizer": draw(st.sampled_from(["adamw", "sgd"])),
                 "activation_checkpointing": draw(st.sampled_from(["none", "full"]))}
     return scenario_dict(model, nodes=nodes, gpus_per_node=gpn, fsdp=fsdp, training=training)

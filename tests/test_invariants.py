@@ -98,7 +98,8 @@ def test_bytes_are_conserved_per_category(data):
 @given(scenario_dicts())
 def test_collective_bytes_match_closed_forms(data):
     """(e) All-gather output = W x padded shard x param itemsize; reduce-scatter input likewise in the
-    reduce dtype; one all-gather per unit, two if it reshards after forward (not the root); the
+    reduce dtype; per micro-batch one all-gather per unit, two if it reshards after forward (not the
+    root); one reduce-scatter per micro-batch, or only in the last without gradient sync; the
     reported bytes per rank are the ring volume (W-1)/W of those.
 
     With W == 1 PyTorch issues no all-gather at all (FSDPParamGroup.unshard returns early), so the
@@ -119,10 +120,12 @@ def test_collective_bytes_match_closed_forms(data):
             assert not (ags or rss or ars), u.name
             continue
         assert all(op.comm_bytes == w * shard * pbytes for op in ags), u.name
+        n = s.grad_accumulation
+        reductions = n if s.requires_gradient_sync else 1
         if w > 1:
-            assert len(ags) == (2 if s.reshard_after_forward and not u.is_root else 1), u.name
-        assert [op.comm_bytes for op in rss] == [w * shard * rbytes], u.name
-        assert [op.comm_bytes for op in ars] == ([shard * rbytes] if s.replicate_size > 1 else []), u.name
+            assert len(ags) == n * (2 if s.reshard_after_forward and not u.is_root else 1), u.name
+        assert [op.comm_bytes for op in rss] == [w * shard * rbytes] * reductions, u.name
+        assert [op.comm_bytes for op in ars] == ([shard * rbytes] * reductions if s.replicate_size > 1 else []), u.name
     comm = r.to_dict()["communication"]
     ag = sum(op.comm_bytes for (kind, _), lst in ops.items() if kind == "all_gather" for op in lst)
     rs = sum(op.comm_bytes for (kind, _), lst in ops.items() if kind == "reduce_scatter" for op in lst)

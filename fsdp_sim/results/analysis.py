@@ -94,8 +94,9 @@ class StepResult:
         busy = _length(self._activity()[0])
         gpu = self.scenario.cluster.gpu
         peak = gpu.flops(self.scenario.settings.param_dtype)
-        mfu = self.scenario.workload.model_flops / (self.step_time_s * peak) if self.step_time_s > 0 else 0.0
-        return {"busy_s": busy, "mfu": mfu, "model_flops": self.scenario.workload.model_flops}
+        flops = self.scenario.workload.model_flops * self.scenario.settings.grad_accumulation
+        mfu = flops / (self.step_time_s * peak) if self.step_time_s > 0 else 0.0
+        return {"busy_s": busy, "mfu": mfu, "model_flops": flops}
 
     # ---- memory ------------------------------------------------------------------------
     @property
@@ -141,13 +142,14 @@ class StepResult:
             "memory": self.memory_summary(peak),
             "communication": self.communication(),
             "compute": self.compute(),
-            "model": {"name": wl.name, "params": wl.numel, "tokens_per_rank": wl.tokens},
+            "model": {"name": wl.name, "params": wl.numel, "tokens_per_rank": wl.tokens * s.grad_accumulation},
             "hardware": {"profile": sc.cluster.gpu.name, "nodes": sc.cluster.nodes,
                          "gpus_per_node": sc.cluster.gpus_per_node, "world_size": sc.cluster.world_size},
             "fsdp": {"runtime": "fsdp2", "wrap": sc.wrap, "sharding_strategy": sc.sharding_strategy,
                      "shard_size": s.shard_size, "replicate_size": s.replicate_size,
                      "reshard_after_forward": s.reshard_after_forward, "param_dtype": s.param_dtype,
                      "reduce_dtype": s.reduce_dtype, "optimizer": s.optimizer,
+                     "grad_accumulation": s.grad_accumulation, "requires_gradient_sync": s.requires_gradient_sync,
                      "activation_checkpointing": "full" if s.activation_checkpointing else "none"},
             "units": [{"name": u.name, "params": u.numel, "modules": len(u.modules), "root": u.is_root,
                        "sharded_bytes": u.shard_numel(s.shard_size) * s.storage_bytes} for u in sc.units],

@@ -39,8 +39,9 @@ class FSDP2Runtime:
         self.all_gather_streams_wait: Op | None = None  # an event the next copy-in waits on
         self.reduce_scatter_state: tuple[Buffer, Op] | None = None
         self.post_forward_order: list[Unit] = []
-        self.unsharded_grads: dict[str, Buffer] = {}
-        self.sharded_grads: list[Buffer] = []
+        self.unsharded_grads: dict[str, Buffer] = {}  # this backward's, by parameter
+        self.accumulated_grads: dict[str, Buffer] = {}  # kept across micro-batches without gradient sync
+        self.sharded_grads: dict[str, Buffer] = {}  # by unit
         self.outputs: dict[str, Buffer] = {}
         self.saved: dict[str, Buffer] = {}
         self.grad_output: Buffer | None = None
@@ -50,13 +51,30 @@ class FSDP2Runtime:
         self.shard = {u.name: u.shard_numel(settings.shard_size) for u in units}
         self.trainable_shard = {u.name: u.shard_numel(settings.shard_size, trainable_only=True) for u in units}
         self.post_forward_index: dict[str, int] = {}
+        self.reduce_grads = True  # False in a micro-batch without gradient sync
+        self.inputs: Buffer | None = None  # the current batch: replaced by the next, kept through the step
 
     # ---- the step -------------------------------------------------------------------------
     def build(self) -> OpGraph:
-        g = self.g
+        """Forward and backward of every micro-batch, then the optimizer step."""
         self._persistent_state()
-        g.phase = "forward"
-        inputs = g.alloc(COMPUTE, "batch (input ids, labels)", "inputs", self.wl.input_bytes)
+        last_reduce = None
+        for micro_batch in range(self.s.grad_accumulation):
+            self.reduce_grads = self.s.requires_gradient_sync or micro_batch == self.s.grad_accumulation - 1
+            last_reduce = self.micro_batch(micro_batch) or last_reduce
+        self.optimizer_step(last_reduce)
+        self.g.free(COMPUTE, self.inputs)
+        return self.g
+
+    def micro_batch(self, index: int) -> Op | None:
+        """One forward and backward; returns the event of its last gradient reduction, if any."""
+        g = self.g
+        suffix = f" #{index + 1}" if self.s.grad_accumulation > 1 else ""
+        g.phase = "forward" + suffix
+        previous, self.inputs = self.inputs, g.alloc(COMPUTE, f"batch (input ids, labels){suffix}", "inputs",
+                                                     self.wl.input_bytes)
+        if previous is not None:  # the loop variable now holds the new batch
+            g.free(COMPUTE, previous)
         prev: Module | None = None
         for m in self.wl.modules:
             unit = self.unit_of.get(m.name)
@@ -71,7 +89,7 @@ class FSDP2Runtime:
             if m.name == self.model_last:
                 self.post_forward(self.root)
             prev = m
-        g.phase = "backward"
+        g.phase = "backward" + suffix
         modules = list(self.wl.modules)
         for i in range(len(modules) - 1, -1, -1):
             m = modules[i]
@@ -86,10 +104,7 @@ class FSDP2Runtime:
                 self.post_backward(unit)
         # the root's inputs (token ids) need no gradient, so its post-backward runs in the final callback
         self.post_backward(self.root)
-        last_reduce = self.root_post_backward_final_callback()
-        self.optimizer_step(last_reduce)
-        g.free(COMPUTE, inputs)
-        return g
+        return self.root_post_backward_final_callback()
 
     def _owner(self, m: Module, unit: Unit | None) -> str:
         """The unit whose parameters a module's compute uses: its own, the root's, or none (the loss)."""
@@ -143,9 +158,37 @@ class FSDP2Runtime:
 
     def post_backward(self, u: Unit) -> None:
         self.g.unit = u.name
+        self.accumulate_unsharded_grads(u)
         self.reshard(u)
-        if any(p.trainable for p in u.params):
+        if not self.reduce_grads:
+            self.to_accumulated_grads(u)
+        elif any(p.trainable for p in u.params):
             self.foreach_reduce(u)
+
+    # ---- gradient accumulation without sync (set_requires_gradient_sync(False)) ---------------
+    def accumulate_unsharded_grads(self, u: Unit) -> None:
+        """FSDPParam.accumulate_unsharded_grad_if_needed: add this backward's grad into the kept one."""
+        for p in u.params:
+            if p.name in self.accumulated_grads and p.name in self.unsharded_grads:
+                grad = self.unsharded_grads.pop(p.name)
+                acc = self.accumulated_grads[p.name]
+                self.g.add("copy", COMPUTE, f"{p.name} accumulate grad", hbm_bytes=2 * acc.nbytes + grad.nbytes)
+                self.g.free(COMPUTE, grad)
+
+    def to_accumulated_grads(self, u: Unit) -> None:
+        """FSDPParam.to_accumulated_grad_if_needed: keep the grad, upcast to reduce_dtype if it differs."""
+        s, g = self.s, self.g
+        for p in u.params:
+            grad = self.unsharded_grads.pop(p.name, None)
+            if grad is None:
+                continue
+            if s.reduce_dtype == s.param_dtype:
+                self.accumulated_grads[p.name] = grad
+                continue
+            acc = g.alloc(COMPUTE, f"{p.name} accumulated grad", "unsharded_grads", p.numel * s.reduce_bytes)
+            g.add("copy", COMPUTE, f"{p.name} grad to {s.reduce_dtype}", hbm_bytes=grad.nbytes + acc.nbytes)
+            g.free(COMPUTE, grad)
+            self.accumulated_grads[p.name] = acc
 
     def root_post_backward_final_callback(self) -> Op | None:
         """The compute stream waits the last reduction; the last reduce-scatter input is released."""
@@ -219,12 +262,15 @@ class FSDP2Runtime:
             g.free(COMPUTE, prev, deps=(prev_event,))
         shard = self.trainable_shard[u.name]
         rs_in = g.alloc(COMPUTE, f"{u.name} reduce-scatter input", "reduce_scatter_buffers", shard * s.shard_size * s.reduce_bytes)
-        grads = [self.unsharded_grads.pop(p.name) for p in u.params if p.name in self.unsharded_grads]
+        # a gradient accumulated over earlier micro-batches (in reduce_dtype) replaces this backward's
+        grads = [self.accumulated_grads.pop(p.name, None) or self.unsharded_grads.pop(p.name)
+                 for p in u.params if p.name in self.accumulated_grads or p.name in self.unsharded_grads]
         copy_in = g.add("copy", COMPUTE, f"{u.name} reduce-scatter copy-in",
                         hbm_bytes=sum(b.nbytes for b in grads) + rs_in.nbytes)
         for buf in grads:
             g.free(COMPUTE, buf)
-        rs_out_is_grad = s.reduce_dtype == s.storage_dtype
+        existing = self.sharded_grads.get(u.name)  # from an earlier micro-batch
+        rs_out_is_grad = s.reduce_dtype == s.storage_dtype and existing is None
         rs_out = g.alloc(RS, f"{u.name} sharded grads" if rs_out_is_grad else f"{u.name} reduce-scatter output",
                          "sharded_grads" if rs_out_is_grad else "reduce_scatter_buffers", shard * s.reduce_bytes, deps=(copy_in,))
         event = g.add("reduce_scatter", RS, f"{u.name} reduce-scatter", deps=(copy_in,), group=SHARD_GROUP,
@@ -233,13 +279,23 @@ class FSDP2Runtime:
             event = g.add("all_reduce", AR, f"{u.name} all-reduce (replicas)", deps=(event,), group=REPLICATE_GROUP,
                           comm_bytes=rs_out.nbytes)
         if rs_out_is_grad:
-            self.sharded_grads.append(rs_out)
-        else:
-            grad = g.alloc(RS, f"{u.name} sharded grads", "sharded_grads", shard * s.storage_bytes, deps=(event,))
+            self.sharded_grads[u.name] = rs_out
+            self.reduce_scatter_state = (rs_in, event)
+            return
+        grad = rs_out
+        if s.reduce_dtype != s.storage_dtype:  # cast to the sharded parameter's dtype: a new tensor
+            grad = g.alloc(RS, f"{u.name} sharded grads" if existing is None else f"{u.name} new sharded grads",
+                           "sharded_grads" if existing is None else "reduce_scatter_buffers",
+                           shard * s.storage_bytes, deps=(event,))
             event = g.add("copy", RS, f"{u.name} cast sharded grads to {s.storage_dtype}", deps=(event,),
                           hbm_bytes=rs_out.nbytes + grad.nbytes)
             g.free(RS, rs_out)
-            self.sharded_grads.append(grad)
+        if existing is not None:  # sharded_param.grad += new sharded grad
+            event = g.add("copy", RS, f"{u.name} accumulate sharded grads", deps=(event,),
+                          hbm_bytes=2 * existing.nbytes + grad.nbytes)
+            g.free(RS, grad)
+        else:
+            self.sharded_grads[u.name] = grad
         self.reduce_scatter_state = (rs_in, event)
 
     # ---- autograd: what each module's forward and backward allocate -----------------------------
@@ -302,7 +358,7 @@ class FSDP2Runtime:
         g.add("compute", COMPUTE, f"{s.optimizer}.step", deps=(last_reduce,), hbm_bytes=OPTIMIZER_STEP_TRAFFIC[s.optimizer] * numel)
         if temp is not None:
             g.free(COMPUTE, temp)
-        for buf in self.sharded_grads:
+        for buf in self.sharded_grads.values():
             g.free(COMPUTE, buf)
         self.sharded_grads.clear()
 

@@ -22,6 +22,9 @@ class FSDPSettings:
     `shard_size` is 1). Parameters are stored in `storage_dtype`, unsharded and computed in
     `param_dtype`, reduced in `reduce_dtype`. `backward_prefetch=False` is FSDP2's
     `set_modules_to_backward_prefetch([])` on every unit: each unit all-gathers in its own pre-backward.
+    A step runs `grad_accumulation` micro-batches before the optimizer step; with
+    `requires_gradient_sync=False` all but the last skip the reduce-scatter (FSDP2's
+    `set_requires_gradient_sync(False)`) and keep unsharded gradients, in `reduce_dtype`, instead.
     """
 
     shard_size: int
@@ -33,6 +36,8 @@ class FSDPSettings:
     optimizer: str = "adamw"
     activation_checkpointing: bool = False
     backward_prefetch: bool = True
+    grad_accumulation: int = 1
+    requires_gradient_sync: bool = True
 
     param_bytes: int = field(init=False)
     reduce_bytes: int = field(init=False)

@@ -308,6 +308,8 @@ def run_fsdp_mem_tracker(
     reduce_dtype: str = "fp32",
     optimizer: str = "adamw",
     activation_checkpointing: str = "none",
+    grad_accumulation: int = 1,
+    requires_gradient_sync: bool = True,
     iterations: int = 2,
     skip_dtensor_propagation: bool = True,
     emulate_cuda_rounding: bool = False,
@@ -329,6 +331,8 @@ def run_fsdp_mem_tracker(
         activation_checkpointing: ``'none'`` or ``'full'`` (non-reentrant
             ``torch.utils.checkpoint`` around each TransformerBlock via ``checkpoint_wrapper``,
             applied before ``fully_shard``).
+        grad_accumulation, requires_gradient_sync: micro-batches per optimizer step; without sync all
+            but the last run under ``set_requires_gradient_sync(False)``.
         iterations: training steps to run (>= 2); the peak is measured from the second one on.
         skip_dtensor_propagation: skip ops DTensor's sharding propagation runs on global-shape
             fake tensors (they are not real memory).
@@ -444,13 +448,19 @@ def run_fsdp_mem_tracker(
                     fmt.iteration = it
                     fmt.recompute_depth = 0
                     gc.disable()
-                    fmt.phase = "forward"
-                    logits = model(tokens)
-                    fmt.phase = "loss"
-                    loss = loss_fn(logits, labels)
-                    del logits
-                    fmt.phase = "backward"
-                    loss.backward()
+                    for micro_batch in range(grad_accumulation):
+                        last = micro_batch == grad_accumulation - 1
+                        model.set_requires_gradient_sync(requires_gradient_sync or last)
+                        fmt.phase = "forward"
+                        logits = model(tokens)
+                        fmt.phase = "loss"
+                        loss = loss_fn(logits, labels)
+                        del logits
+                        fmt.phase = "backward"
+                        loss.backward()
+                        if not last:
+                            del loss
+                            fmt.reset_mod_stats()  # the root forward runs once per stats window
                     fmt.phase = "optimizer"
                     optim.step()
                     fmt.phase = "zero_grad"

@@ -37,6 +37,8 @@ CASES = [
     ("small-batch-w2-optimizer-peak", {"vocab": 1000}, {"world_size": 2, "batch": 1, "seq": 16}),
     ("whole-model-fp32-sgd-w8", {}, {"world_size": 8, "wrap": "whole_model", "param_dtype": "fp32", "optimizer": "sgd"}),
     ("w2-ac-no-reshard", {}, {"world_size": 2, "activation_checkpointing": "full", "reshard_after_forward": False}),
+    ("grad-accumulation-3-sync", {}, {"grad_accumulation": 3}),
+    ("grad-accumulation-3-no-sync", {}, {"grad_accumulation": 3, "requires_gradient_sync": False}),
     ("gpt2-style-layernorm-bias-tied", {"norm": "layernorm", "bias": True, "tie_embeddings": True, "learned_pos": True,
                                         "max_seq": 128, "mlp": "gelu", "ffn_hidden": 1024}, {}),
 ]
@@ -55,7 +57,8 @@ _DIM_FIELDS = ("hidden", "layers", "heads", "kv_heads", "ffn_hidden", "vocab", "
 
 def reference_scenario(cfg, *, world_size: int, batch: int, seq: int, wrap: str = "per_block",
                        reshard_after_forward: bool = True, param_dtype: str = "bf16", reduce_dtype: str = "fp32",
-                       optimizer: str = "adamw", activation_checkpointing: str = "none") -> dict:
+                       optimizer: str = "adamw", activation_checkpointing: str = "none", grad_accumulation: int = 1,
+                       requires_gradient_sync: bool = True) -> dict:
     """The scenario (as data) that describes the same job as `run_fsdp_mem_tracker`'s arguments."""
     # nn.RMSNorm runs its composite (fp32-upcasting) implementation on the CPU the referee runs on
     dims = {k: v for k, v in asdict(cfg).items() if k in _DIM_FIELDS} | {"norm_impl": "composite"}
@@ -64,9 +67,10 @@ def reference_scenario(cfg, *, world_size: int, batch: int, seq: int, wrap: str 
     return {
         "model": dims,
         "training": {"micro_batch": batch, "seq_len": seq, "optimizer": optimizer,
-                     "activation_checkpointing": activation_checkpointing},
+                     "activation_checkpointing": activation_checkpointing, "grad_accumulation": grad_accumulation},
         "hardware": {"profile": "h100-sxm", "nodes": 1, "gpus_per_node": world_size},
         "fsdp": {"wrap": wrap, "reshard_after_forward": reshard_after_forward,
+                 "requires_gradient_sync": requires_gradient_sync,
                  "mixed_precision": {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}},
     }
 
