@@ -108,8 +108,15 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as the same single line as every other bad input."""
+
+    def error(self, message: str):
+        self.exit(2, f"fsdp-sim: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fsdp-sim", description="Simulate one PyTorch FSDP training step.")
+    parser = _Parser(prog="fsdp-sim", description="Simulate one PyTorch FSDP training step.")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="simulate a scenario file and print the summary")
     run.add_argument("scenario", help="path to a scenario YAML file")

@@ -51,11 +51,15 @@ def _get(section: str, data: dict, key: str, kind: type, default=_MISSING, *, ch
         value = float(value)
     if kind is int and isinstance(value, float) and value.is_integer():
         value = int(value)
-    if value is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
+    if value is None:
+        if default is None:  # the key is optional and null means "not set"
+            return None
+        raise ScenarioError(f"{where}: expected {kind.__name__}, got nothing (null)")
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
         raise ScenarioError(f"{where}: expected {kind.__name__}, got {value!r}")
     if choices is not None and value not in choices:
         raise ScenarioError(f"{where}: {value!r} is not one of {list(choices)}")
-    if positive and value is not None and value <= 0:
+    if positive and value <= 0:
         raise ScenarioError(f"{where}: must be positive, got {value!r}")
     return value
 
@@ -95,6 +99,18 @@ def _model_dims(raw: dict) -> tuple[str, TransformerDims]:
         if key not in overrides:
             raise ScenarioError(f"model.{key}: missing (required without a preset)")
     return "custom", TransformerDims(**overrides)
+
+
+MAX_BYTES = 1 << 50  # 1 PiB: far beyond any GPU, and within the ledger's exact integer range
+
+
+def _check_scale(workload: Workload) -> None:
+    """Refuse sizes no GPU step has (a typo such as hidden: 1e9), before they overflow the arithmetic."""
+    largest = max(max(m.numel * 4, m.saved_bytes, m.fwd_temp_bytes, m.bwd_temp_bytes, m.output_bytes)
+                  for m in workload.modules)
+    if largest > MAX_BYTES:
+        raise ScenarioError(f"model: a module of {workload.name!r} would need {largest / (1 << 50):.3g} PiB; "
+                            f"check the model dimensions and training.micro_batch / seq_len")
 
 
 def _workload(model: dict, *, micro_batch: int, seq_len: int, act_dtype: str, base: Path) -> Workload:
@@ -182,6 +198,7 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
         raise ScenarioError(f"report.safety_margin: {margin} must be in [0, 1)")
 
     workload = _workload(model, micro_batch=micro_batch, seq_len=seq_len, act_dtype=param_dtype, base=base)
+    _check_scale(workload)
     compute = _expect("compute", data.get("compute"))
     _check_keys("compute", compute, {"trace"})
     if "trace" in compute:

@@ -54,13 +54,16 @@ BAD = {  # case: (scenario data or YAML text, words the error line must contain)
     "shard size not dividing world": (_with("fsdp", "shard_size", 3), ["fsdp.shard_size", "3", "8"]),
     "negative size": (_with("training", "seq_len", -5), ["training.seq_len", "-5"]),
     "invalid YAML": ("model: {hidden: 64, layers: [2\nhardware: h100\n", ["tiny.yaml", "YAML"]),
+    "empty value": (_with("training", "seq_len", None), ["training.seq_len", "null"]),
+    "absurd size": (_with("model", "hidden", 10**9), ["model", "PiB"]),
+    "missing subcommand argument": (None, ["scenario"]),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys):
     data, words = BAD[case]
-    rc, out, err = _run(["run", str(_write(tmp_path, data))], capsys)
+    rc, out, err = _run(["run"] + ([str(_write(tmp_path, data))] if data is not None else []), capsys)
     assert rc == 2
     lines = err.splitlines()
     assert len(lines) == 1, err

@@ -68,7 +68,7 @@ def replay(ops: list[Op], persistent: list[Buffer], start: np.ndarray) -> Memory
     live: dict[int, tuple[Buffer, str, int]] = {b.id: (b, "compute", allocator_size(b.nbytes)) for b in persistent}
     level = {"compute": sum(block for _, _, block in live.values())}
     high = dict(level)
-    initial = np.zeros(len(CATEGORIES))
+    initial = np.zeros(len(CATEGORIES), dtype=np.int64)
     for b in persistent:
         initial[_CAT_INDEX[b.category]] += b.nbytes
     times, cats, deltas, events = [0.0], [], [], []
@@ -101,7 +101,7 @@ def replay(ops: list[Op], persistent: list[Buffer], start: np.ndarray) -> Memory
             t = start[op.id]
         times.append(t)
         cats.append(_CAT_INDEX[buf.category])
-    delta = np.zeros((len(deltas) + 1, len(CATEGORIES)))
+    delta = np.zeros((len(deltas) + 1, len(CATEGORIES)), dtype=np.int64)  # bytes are exact integers
     delta[0] = initial
     if deltas:
         delta[np.arange(1, len(deltas) + 1), cats] = deltas
