@@ -32,13 +32,6 @@ class Unit:
         """Elements one rank stores: each parameter's dim-0 chunk, padded to the largest chunk."""
         return sum(p.padded_shard_numel(world) for p in self.params if p.trainable or not trainable_only)
 
-    def padded_numel(self, world: int, *, trainable_only: bool = False) -> int:
-        """Elements of the all-gather output / reduce-scatter input: `world` padded shards."""
-        return world * self.shard_numel(world, trainable_only=trainable_only)
-
-    def trainable_numel(self) -> int:
-        return sum(p.numel for p in self.params if p.trainable)
-
 
 def _groups(blocks: list[Module], policy: str, k: int, min_params: int) -> list[list[Module]]:
     if policy == "per_block":

@@ -18,7 +18,6 @@ from fsdp_sim.errors import ScenarioError
 from fsdp_sim.workload.model import Module, Param, Workload
 
 NORM_STAT_TENSORS = {"rmsnorm": 1, "layernorm": 2}  # fp32 per-row statistics saved: rstd (+ mean)
-NORM_WEIGHTS = {"rmsnorm": 1, "layernorm": 2}  # weight (+ bias)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
