@@ -164,7 +164,8 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
 
     fsdp = _expect("fsdp", data.get("fsdp"))
     _check_keys("fsdp", fsdp, {"version", "wrap", "blocks_per_unit", "min_params", "sharding_strategy",
-                               "shard_size", "reshard_after_forward", "backward_prefetch", "requires_gradient_sync",
+                               "shard_size", "reshard_after_forward", "reshard_last_block", "backward_prefetch",
+                               "requires_gradient_sync",
                                "mixed_precision"})
     version = _get("fsdp", fsdp, "version", int, 2, choices=(2,))
     del version  # FSDP1 mode is not modelled yet; only 2 is accepted
@@ -178,6 +179,7 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
         raise ScenarioError(f"fsdp.reshard_after_forward: {raf} contradicts sharding_strategy {strategy} (which implies {reshard})")
     reshard = reshard if raf is None else raf
     backward_prefetch = _get("fsdp", fsdp, "backward_prefetch", bool, True)
+    reshard_last_block = _get("fsdp", fsdp, "reshard_last_block", bool, True)
     requires_gradient_sync = _get("fsdp", fsdp, "requires_gradient_sync", bool, True)
     shard_size = {"1d": world, "2d": gpn, "replicate": 1}[mesh]
     shard_size = _get("fsdp", fsdp, "shard_size", int, shard_size, positive=True)
@@ -208,6 +210,7 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     settings = FSDPSettings(shard_size=shard_size, replicate_size=world // shard_size, reshard_after_forward=reshard,
                             param_dtype=param_dtype, reduce_dtype=reduce_dtype, optimizer=optimizer,
                             activation_checkpointing=ac == "full", backward_prefetch=backward_prefetch,
+                            reshard_last_unit=reshard_last_block,
                             grad_accumulation=grad_accumulation, requires_gradient_sync=requires_gradient_sync)
     return Scenario(name=_get("scenario", data, "name", str, name), workload=workload, units=units, cluster=cluster,
                     settings=settings, wrap=wrap, sharding_strategy=strategy, safety_margin=margin)

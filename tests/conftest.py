@@ -73,6 +73,7 @@ def scenario_dicts(draw) -> dict:
     wrap = draw(st.sampled_from(POLICIES))
     fsdp = {"wrap": wrap, "sharding_strategy": draw(st.sampled_from(sorted(STRATEGIES))),
             "backward_prefetch": draw(st.booleans()), "requires_gradient_sync": draw(st.booleans()),
+            "reshard_last_block": draw(st.booleans()),
             "mixed_precision": {"param_dtype": draw(st.sampled_from(["fp32", "bf16"])),
                                 "reduce_dtype": draw(st.sampled_from(["fp32", "bf16"]))}}
     if draw(st.booleans()):  # an explicit shard group size (FSDP2's 2-D mesh), any divisor of the world

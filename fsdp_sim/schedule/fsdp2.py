@@ -33,6 +33,7 @@ class FSDP2Runtime:
         self.unit_of = {name: u for u in inner for name in u.modules}
         self.first = {u.name: u.modules[0] for u in inner}
         self.last = {u.name: u.modules[-1] for u in inner}
+        self.last_inner = inner[-1].name if inner else None
         self.unsharded: dict[str, Buffer | None] = {u.name: None for u in units}
         self.pending_all_gather: dict[str, tuple[Buffer, Op] | None] = {}  # None: shard group of one
         self.all_gather_state: tuple[Buffer, Op] | None = None
@@ -133,7 +134,8 @@ class FSDP2Runtime:
     def post_forward(self, u: Unit) -> None:
         self.g.unit = u.name
         # the root is not resharded after forward: its parameters are needed first in backward
-        if not u.is_root and self.s.reshard_after_forward:
+        keep_last = u.name == self.last_inner and not self.s.reshard_last_unit
+        if not u.is_root and self.s.reshard_after_forward and not keep_last:
             self.reshard(u)
         if u.is_root and self.all_gather_state is not None:
             # the root's post-forward releases the last forward all-gather output

@@ -22,7 +22,8 @@ class FSDPSettings:
     `shard_size` is 1). Parameters are stored in `storage_dtype`, unsharded and computed in
     `param_dtype`, reduced in `reduce_dtype`. `backward_prefetch=False` is FSDP2's
     `set_modules_to_backward_prefetch([])` on every unit: each unit all-gathers in its own pre-backward.
-    A step runs `grad_accumulation` micro-batches before the optimizer step; with
+    `reshard_last_unit=False` keeps the last inner unit unsharded after forward (torchtitan's default
+    policy: backward needs it first, right after the root). A step runs `grad_accumulation` micro-batches before the optimizer step; with
     `requires_gradient_sync=False` all but the last skip the reduce-scatter (FSDP2's
     `set_requires_gradient_sync(False)`) and keep unsharded gradients, in `reduce_dtype`, instead.
     """
@@ -36,6 +37,7 @@ class FSDPSettings:
     optimizer: str = "adamw"
     activation_checkpointing: bool = False
     backward_prefetch: bool = True
+    reshard_last_unit: bool = True
     grad_accumulation: int = 1
     requires_gradient_sync: bool = True
 
