@@ -17,6 +17,14 @@ from fsdp_sim.errors import ScenarioError
 _SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's safe loader when PyYAML has it
 
 
+def reject_unknown_keys(where: str, data: dict, allowed) -> None:
+    """The first key of `data` not in `allowed`, as `<where>.<key>: unknown key, ...`."""
+    prefix = f"{where}." if where else ""
+    for key in data:
+        if key not in allowed:
+            raise ScenarioError(f"{prefix}{key}: unknown key, expected one of {sorted(allowed)}")
+
+
 def read_data(path: str | Path, key: str, *, fmt: str = "yaml") -> Any:
     """The parsed content of a YAML (a superset of JSON) or JSON file; `key` names it in errors."""
     path = Path(path)

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 
+from fsdp_sim.datafile import read_data, reject_unknown_keys
 from fsdp_sim.dtypes import DTYPE_BYTES
-from fsdp_sim.datafile import read_data
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.hardware.profiles import Cluster, load_profile
 from fsdp_sim.schedule.settings import OPTIMIZER_STATES, FSDPSettings
@@ -34,12 +34,6 @@ def _expect(section: str, data: Any) -> dict:
     if not isinstance(data, dict):
         raise ScenarioError(f"{section}: expected a mapping, got {type(data).__name__}")
     return data
-
-
-def _check_keys(section: str, data: dict, allowed) -> None:
-    for key in data:
-        if key not in allowed:
-            raise ScenarioError(f"{section}.{key}: unknown key, expected one of {sorted(allowed)}")
 
 
 def _get(section: str, data: dict, key: str, kind: type, default=_MISSING, *, choices=None, positive=False):
@@ -82,7 +76,7 @@ _DIM_KEYS = {f.name for f in fields(TransformerDims)}
 
 
 def _model_dims(raw: dict) -> tuple[str, TransformerDims]:
-    _check_keys("model", raw, _DIM_KEYS | {"preset"})
+    reject_unknown_keys("model", raw, _DIM_KEYS | {"preset"})
     preset = _get("model", raw, "preset", str, None)
     overrides = {k: v for k, v in raw.items() if k != "preset"}
     for key, value in overrides.items():
@@ -135,14 +129,14 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     """Check and resolve scenario data; relative file paths inside it are taken from `base`."""
     base = base or Path.cwd()
     data = _expect("scenario", data)
-    _check_keys("scenario", data, {"name", "model", "training", "hardware", "fsdp", "compute", "report"})
+    reject_unknown_keys("scenario", data, {"name", "model", "training", "hardware", "fsdp", "compute", "report"})
     if "model" not in data:
         raise ScenarioError("model: missing (a preset name, transformer dimensions, hf_config or workload)")
     model = data["model"]
     model = _expect("model", {"preset": model} if isinstance(model, str) else model)
 
     training = _expect("training", data.get("training"))
-    _check_keys("training", training, {"micro_batch", "seq_len", "grad_accumulation", "optimizer",
+    reject_unknown_keys("training", training, {"micro_batch", "seq_len", "grad_accumulation", "optimizer",
                                        "activation_checkpointing"})
     if isinstance(data["model"], dict) and "workload" in data["model"]:
         for key in ("micro_batch", "seq_len"):
@@ -155,7 +149,7 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     ac = _get("training", training, "activation_checkpointing", str, "none", choices=("none", "full"))
 
     hardware = _expect("hardware", data.get("hardware"))
-    _check_keys("hardware", hardware, {"profile", "nodes", "gpus_per_node"})
+    reject_unknown_keys("hardware", hardware, {"profile", "nodes", "gpus_per_node"})
     gpu = load_profile(_get("hardware", hardware, "profile", str))
     nodes = _get("hardware", hardware, "nodes", int, 1, positive=True)
     gpn = _get("hardware", hardware, "gpus_per_node", int, gpu.gpus_per_node, positive=True)
@@ -163,7 +157,7 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     world = cluster.world_size
 
     fsdp = _expect("fsdp", data.get("fsdp"))
-    _check_keys("fsdp", fsdp, {"version", "wrap", "blocks_per_unit", "min_params", "sharding_strategy",
+    reject_unknown_keys("fsdp", fsdp, {"version", "wrap", "blocks_per_unit", "min_params", "sharding_strategy",
                                "shard_size", "reshard_after_forward", "reshard_last_block", "backward_prefetch",
                                "requires_gradient_sync",
                                "mixed_precision"})
@@ -187,14 +181,14 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
         raise ScenarioError(f"fsdp.shard_size: {shard_size} does not divide the world size {world} "
                             f"({nodes} nodes x {gpn} GPUs)")
     mp = _expect("fsdp.mixed_precision", fsdp.get("mixed_precision"))
-    _check_keys("fsdp.mixed_precision", mp, {"param_dtype", "reduce_dtype"})
+    reject_unknown_keys("fsdp.mixed_precision", mp, {"param_dtype", "reduce_dtype"})
     dtypes = tuple(d for d in DTYPE_BYTES if d in ("fp32", "bf16", "fp16"))
     param_dtype = _get("fsdp.mixed_precision", mp, "param_dtype", str, "bf16", choices=dtypes)
     reduce_dtype = _get("fsdp.mixed_precision", mp, "reduce_dtype", str, "fp32", choices=dtypes)
     gpu.flops(param_dtype)  # the GPU must support the compute dtype
 
     report = _expect("report", data.get("report"))
-    _check_keys("report", report, {"safety_margin"})
+    reject_unknown_keys("report", report, {"safety_margin"})
     margin = _get("report", report, "safety_margin", float, 0.10)
     if not 0 <= margin < 1:
         raise ScenarioError(f"report.safety_margin: {margin} must be in [0, 1)")
@@ -202,7 +196,7 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     workload = _workload(model, micro_batch=micro_batch, seq_len=seq_len, act_dtype=param_dtype, base=base)
     _check_scale(workload)
     compute = _expect("compute", data.get("compute"))
-    _check_keys("compute", compute, {"trace"})
+    reject_unknown_keys("compute", compute, {"trace"})
     if "trace" in compute:
         trace = Path(_get("compute", compute, "trace", str))
         workload = apply_profile_trace(workload, trace if trace.is_absolute() else base / trace)

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from fsdp_sim.dtypes import DTYPE_BYTES
-from fsdp_sim.datafile import read_data
+from fsdp_sim.datafile import read_data, reject_unknown_keys
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.workload.model import Module, Param, Workload
 
@@ -92,10 +92,8 @@ def workload_from_dict(data: Any) -> Workload:
 def _fields(cls: type, schema: dict[str, str], data: Any, where: str) -> dict:
     if not isinstance(data, dict):
         raise ScenarioError(f"{where or 'workload'}: expected a mapping, got {type(data).__name__}")
+    reject_unknown_keys(where, data, schema)
     prefix = f"{where}." if where else ""
-    for key in data:
-        if key not in schema:
-            raise ScenarioError(f"{prefix}{key}: unknown key, expected one of {sorted(schema)}")
     for key in _REQUIRED[cls]:
         if key not in data:
             raise ScenarioError(f"{prefix}{key}: missing (required)")
