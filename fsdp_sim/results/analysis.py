@@ -57,34 +57,34 @@ class StepResult:
     def step_time_s(self) -> float:
         return self.timing.makespan
 
-    def _activity(self) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-        """(merged compute-stream kernel intervals, collective intervals), from one pass over the ops."""
+    def _activity(self) -> tuple[list[tuple[float, float]], list[tuple[float, float]], dict[str, float]]:
+        """(merged compute-stream kernel intervals, collective intervals, ring bytes moved per rank by
+        collective kind), from one pass over the ops."""
         if self._activity_cache is None:
+            s = self.scenario.settings
+            ring = {"shard": (s.shard_size - 1) / s.shard_size,
+                    "replicate": 2 * (s.replicate_size - 1) / s.replicate_size}
             start, end = self.timing.start.tolist(), self.timing.end.tolist()
             busy, comm = [], []
+            moved = {k: 0.0 for k in COLLECTIVES}
             for op in self.graph.ops:
                 kind = op.kind
                 if kind == "alloc" or kind == "free":
                     continue
                 if kind in COLLECTIVES:
                     comm.append((start[op.id], end[op.id]))
+                    moved[kind] += op.comm_bytes * ring[op.group]
                 elif op.stream == "compute":
                     busy.append((start[op.id], end[op.id]))
-            self._activity_cache = (_merge(busy), comm)
+            self._activity_cache = (_merge(busy), comm, moved)
         return self._activity_cache
 
     def communication(self) -> dict:
-        s = self.scenario.settings
-        busy, comm = self._activity()
+        busy, comm, moved = self._activity()
         total = sum(b - a for a, b in comm)
         comm_merged = _merge(comm)
         active = _length(comm_merged)
         exposed = max(0.0, active - _intersection(comm_merged, busy))
-        ring = {"shard": (s.shard_size - 1) / s.shard_size, "replicate": 2 * (s.replicate_size - 1) / s.replicate_size}
-        moved = {k: 0.0 for k in COLLECTIVES}
-        for op in self.graph.ops:
-            if op.kind in COLLECTIVES:
-                moved[op.kind] += op.comm_bytes * ring[op.group]
         return {"all_gather_bytes": int(moved["all_gather"]), "reduce_scatter_bytes": int(moved["reduce_scatter"]),
                 "all_reduce_bytes": int(moved["all_reduce"]), "total_s": total, "exposed_s": exposed,
                 # the share of the time some collective runs that compute runs too
