@@ -1,7 +1,9 @@
-"""Hardware as data: GPU and link profiles, the cluster shape, and the collective cost model."""
+"""Hardware as data: GPU and fabric profiles, the cluster shape, and the collective cost model."""
 
-from fsdp_sim.hardware.collectives import CollectiveCost, all_gather_time, all_reduce_time, reduce_scatter_time
-from fsdp_sim.hardware.profiles import Cluster, GpuProfile, Link, load_profile, profile_names
+from fsdp_sim.hardware.collectives import (ProcessGroup, collective_time, link_loads, links_crossed,
+                                           shared_slowdown)
+from fsdp_sim.hardware.fabric import Fabric, Network
+from fsdp_sim.hardware.profiles import Cluster, GpuProfile, load_profile, profile_names
 
-__all__ = ["Cluster", "CollectiveCost", "GpuProfile", "Link", "all_gather_time", "all_reduce_time",
-           "load_profile", "profile_names", "reduce_scatter_time"]
+__all__ = ["Cluster", "Fabric", "GpuProfile", "Network", "ProcessGroup", "collective_time", "link_loads",
+           "links_crossed", "load_profile", "profile_names", "shared_slowdown"]

@@ -1,52 +1,50 @@
 """GPU profiles loaded from `hardware_profiles/*.yaml` into frozen dataclasses.
 
 The loader checks the keys exactly (an unknown or missing key is an error naming it) and that every
-figure is a positive number. Units live in the key names: bytes, bytes/s, FLOP/s, seconds.
+figure is a positive number. Units live in the key names: bytes, bytes/s, FLOP/s, seconds. The node's
+links are a `fabric:` mapping (`fsdp_sim.hardware.fabric`); a scenario may override its NICs.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
-
 from fsdp_sim.datafile import read_data
 from fsdp_sim.errors import ScenarioError
+from fsdp_sim.hardware.fabric import Fabric, Network, parse_fabric
 
 REPO_PROFILES = Path(__file__).resolve().parents[2] / "hardware_profiles"
-_TOP_KEYS = {"name", "description", "memory_bytes", "hbm_bandwidth_Bps", "peak_flops", "matmul_efficiency",
-             "gpus_per_node", "intra_node", "inter_node", "cuda_context_bytes", "nccl_bytes"}
-_LINK_KEYS = {"bandwidth_Bps", "hop_latency_s"}
-
-
-@dataclass(frozen=True, slots=True)
-class Link:
-    """Achievable ring bus bandwidth (bytes/s) and per-hop latency (s) of one kind of link."""
-
-    bandwidth_Bps: float
-    hop_latency_s: float
+_TOP_KEYS = {"name", "description", "arch", "sm_count", "memory_bytes", "hbm_bandwidth_Bps", "peak_flops",
+             "matmul_efficiency", "gpus_per_node", "fabric", "cuda_context_bytes", "nccl_bytes"}
+_ARCH = re.compile(r"sm\d{2,3}|gfx\d{3,4}[a-z]?")  # CUDA compute capability (sm80, sm90, sm100) or AMD target (gfx942)
 
 
 @dataclass(frozen=True, slots=True)
 class GpuProfile:
     name: str
     description: str
+    arch: str
+    sm_count: int
     memory_bytes: int
     hbm_bandwidth_Bps: float
     peak_flops: dict[str, float]
     matmul_efficiency: float
     gpus_per_node: int
-    intra_node: Link
-    inter_node: Link
+    fabric: Fabric
     cuda_context_bytes: int
     nccl_bytes: int
 
+    def matmul_peak(self, dtype: str, allow_tf32: bool = False) -> float:
+        """Dense peak FLOP/s of matmuls in `dtype`: fp32 ones run on TF32 tensor cores only when allowed
+        (`torch.backends.cuda.matmul.allow_tf32`, off by default)."""
+        return self.flops("tf32" if dtype == "fp32" and allow_tf32 and "tf32" in self.peak_flops else dtype)
+
     def flops(self, dtype: str) -> float:
-        """Dense peak FLOP/s for matmuls in `dtype` (fp32 matmuls use TF32 tensor cores when listed)."""
-        if dtype == "fp32" and "tf32" in self.peak_flops:
-            dtype = "tf32"
+        """Dense peak FLOP/s for `dtype` (fp32: the non-tensor-core rate)."""
         if dtype not in self.peak_flops:
             raise ScenarioError(f"fsdp.mixed_precision.param_dtype: {dtype} is not supported by {self.name} "
                                 f"(it lists {sorted(self.peak_flops)})")
@@ -55,15 +53,26 @@ class GpuProfile:
 
 @dataclass(frozen=True, slots=True)
 class Cluster:
-    """`nodes` x `gpus_per_node` identical GPUs: one NVLink-class domain per node, NICs between nodes."""
+    """`nodes` x `gpus_per_node` identical GPUs: one NVLink-class domain per node, NICs between nodes.
+
+    `network`, when set, replaces the profile's NICs (a scenario's `hardware.network`: the same GPU node
+    behind another cloud's network, e.g. AWS p4d's 4x 100G EFA instead of DGX A100's 8x HDR).
+    """
 
     gpu: GpuProfile
     nodes: int
     gpus_per_node: int
+    network: Network | None = None
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def fabric(self) -> Fabric:
+        """The effective fabric: the profile's, with the scenario's network in place of its own."""
+        fabric = self.gpu.fabric
+        return fabric if self.network is None else replace(fabric, network=self.network)
 
 
 def _number(path: str, key: str, value, *, integer: bool = False) -> float:
@@ -83,12 +92,6 @@ def _check_keys(path: str, where: str, data, expected: set[str]) -> None:
         raise ScenarioError(f"{path}: missing key {where}{missing[0]!r}")
 
 
-def _link(path: str, key: str, data) -> Link:
-    _check_keys(path, f"{key}.", data, _LINK_KEYS)
-    return Link(_number(path, f"{key}.bandwidth_Bps", data["bandwidth_Bps"]),
-                _number(path, f"{key}.hop_latency_s", data["hop_latency_s"]))
-
-
 def parse_profile(data, path: str) -> GpuProfile:
     _check_keys(path, "", data, _TOP_KEYS)
     peaks = data["peak_flops"]
@@ -97,15 +100,17 @@ def parse_profile(data, path: str) -> GpuProfile:
     eff = data["matmul_efficiency"]
     if not isinstance(eff, (int, float)) or not 0 < eff <= 1:
         raise ScenarioError(f"{path}: matmul_efficiency must be in (0, 1], got {eff!r}")
+    if not isinstance(data["arch"], str) or not _ARCH.fullmatch(data["arch"]):
+        raise ScenarioError(f"{path}: arch must be like sm80, sm90, sm100 or gfx942, got {data['arch']!r}")
+    gpus_per_node = _number(path, "gpus_per_node", data["gpus_per_node"], integer=True)
     return GpuProfile(
-        name=str(data["name"]), description=str(data["description"]),
+        name=str(data["name"]), description=str(data["description"]), arch=data["arch"],
+        sm_count=_number(path, "sm_count", data["sm_count"], integer=True),
         memory_bytes=_number(path, "memory_bytes", data["memory_bytes"], integer=True),
         hbm_bandwidth_Bps=_number(path, "hbm_bandwidth_Bps", data["hbm_bandwidth_Bps"]),
         peak_flops={k: _number(path, f"peak_flops.{k}", v) for k, v in peaks.items()},
         matmul_efficiency=float(eff),
-        gpus_per_node=_number(path, "gpus_per_node", data["gpus_per_node"], integer=True),
-        intra_node=_link(path, "intra_node", data["intra_node"]),
-        inter_node=_link(path, "inter_node", data["inter_node"]),
+        gpus_per_node=gpus_per_node, fabric=parse_fabric(data["fabric"], f"{path}: fabric", gpus_per_node),
         cuda_context_bytes=_number(path, "cuda_context_bytes", data["cuda_context_bytes"], integer=True),
         nccl_bytes=_number(path, "nccl_bytes", data["nccl_bytes"], integer=True))
 
