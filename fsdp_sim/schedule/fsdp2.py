@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from fsdp_sim.dtypes import itemsize
 from fsdp_sim.schedule.ops import Buffer, Op, OpGraph
-from fsdp_sim.schedule.settings import OPTIMIZER_STATES, OPTIMIZER_STEP_TEMPS, OPTIMIZER_STEP_TRAFFIC, FSDPSettings
+from fsdp_sim.schedule.settings import (FOREACH_ELEMENTS_PER_LAUNCH, OPTIMIZER_STATES, OPTIMIZER_STEP_PASSES,
+                                        OPTIMIZER_STEP_TEMPS, OPTIMIZER_STEP_TRAFFIC, FSDPSettings)
 from fsdp_sim.workload.model import Module, Workload
 from fsdp_sim.wrap import Unit
 
@@ -38,7 +39,9 @@ class FSDP2Runtime:
         self.pending_all_gather: dict[str, tuple[Buffer, Op] | None] = {}  # None: shard group of one
         self.all_gather_state: tuple[Buffer, Op] | None = None
         self.all_gather_streams_wait: Op | None = None  # an event the next copy-in waits on
-        self.reduce_scatter_state: tuple[Buffer, Op] | None = None
+        self.reduce_scatter_state: tuple[Buffer, Op] | None = None  # reduce_scatter_states, at most one (K = 1)
+        self.last_post_reduce_events: dict[str, Op] = {}  # FSDPCommContext._last_post_reduce_events, by stream
+        self.all_reduce_states: dict[str, Buffer] = {}  # HSDP: a group's _all_reduce_state, when it holds memory
         self.post_forward_order: list[Unit] = []
         self.unsharded_grads: dict[str, Buffer] = {}  # this backward's, by parameter
         self.accumulated_grads: dict[str, Buffer] = {}  # kept across micro-batches without gradient sync
@@ -103,8 +106,6 @@ class FSDP2Runtime:
             self.backward_compute(m, modules[i - 1] if i else None, modules[i + 1] if i + 1 < len(modules) else None)
             if unit is not None and self.first[unit.name] == m.name:
                 self.post_backward(unit)
-        # the root's inputs (token ids) need no gradient, so its post-backward runs in the final callback
-        self.post_backward(self.root)
         return self.root_post_backward_final_callback()
 
     def _owner(self, m: Module, unit: Unit | None) -> str:
@@ -145,12 +146,18 @@ class FSDP2Runtime:
         self.post_forward_order.append(u)
 
     def pre_backward(self, u: Unit) -> None:
+        """PG:pre_backward: unshard unless prefetched, then FSDP2's default backward prefetch.
+
+        `_backward_prefetch` all-gathers the unit before this one in post-forward order, issued
+        before this unit's gradient kernels (FSDP1's BACKWARD_PRE). `backward_prefetch=False` is
+        `m.set_modules_to_backward_prefetch([m])` on every FSDP module m: a non-empty list turns
+        `default_prefetch` off (ST:_pre_backward) and prefetching itself is a no-op (PG:unshard
+        returns when already unsharded). An empty list would keep the default.
+        """
         self.g.unit = u.name
         if self.unsharded[u.name] is None:
             self.unshard(u)
             self.wait_for_unshard(u, in_forward=False)
-        # default backward prefetch: the unit before this one in post-forward order, issued before
-        # this unit's gradient kernels (FSDP1's BACKWARD_PRE)
         index = self.post_forward_index[u.name]
         if index > 0 and self.s.backward_prefetch:
             target = self.post_forward_order[index - 1]
@@ -159,13 +166,64 @@ class FSDP2Runtime:
             self.g.unit = u.name
 
     def post_backward(self, u: Unit) -> None:
+        """PG:post_backward: accumulate, reshard, recycle the previous reduce-scatter input, reduce.
+
+        The compute stream waits the previous group's *reduce-scatter* event, not its all-reduce
+        nor its post-reduce ops, then drops that group's input (`reduce_scatter_states` drained to
+        K - 1 = 0), before this group's input is allocated. `_wait_for_post_backward` (a group's own
+        earlier reduction) never waits here: `finalize_backward` clears it at the end of every
+        backward (`is_last_backward` stays True). A module without parameters has no param group.
+        """
+        if not u.params:
+            return
         self.g.unit = u.name
         self.accumulate_unsharded_grads(u)
         self.reshard(u)
         if not self.reduce_grads:
             self.to_accumulated_grads(u)
-        elif any(p.trainable for p in u.params):
+            return
+        if self.reduce_scatter_state is not None:
+            prev, reduce_scatter_event = self.reduce_scatter_state
+            self.g.free(COMPUTE, prev, deps=(reduce_scatter_event,))
+            self.reduce_scatter_state = None
+        if any(p.trainable for p in u.params):
             self.foreach_reduce(u)
+
+    # ---- end of backward (FSDPState) ----------------------------------------------------------
+    def root_post_backward_final_callback(self) -> Op | None:
+        """ST:_root_post_backward_final_callback, queued on the autograd engine by the first pre-backward.
+
+        The groups autograd never reached run `post_backward` now: the root's, whose inputs (token
+        ids) need no gradient. Then every group's `finalize_backward` (root first, `all_states`
+        order), then the compute stream waits the retained reduce-scatter event and drops the last
+        input. Returns the last op the compute stream waited, for the optimizer step to follow.
+        """
+        self.post_backward(self.root)
+        self.g.unit = self.root.name
+        waits = self.finalize_backward()
+        if self.reduce_scatter_state is None:  # a frozen unit recycled it after the last reduction
+            return waits[-1] if waits else None  # one post-reduce stream per run
+        buf, reduce_scatter_event = self.reduce_scatter_state
+        self.reduce_scatter_state = None
+        return self.g.free(COMPUTE, buf, deps=(*waits, reduce_scatter_event))
+
+    def finalize_backward(self) -> tuple[Op, ...]:
+        """PG:finalize_backward for every group: wait the last post-reduce events, drop `_all_reduce_state`.
+
+        The compute stream waits the last post-reduce event of each stream (the reduce-scatter
+        stream, or the all-reduce stream under HSDP): later events on a stream subsume earlier ones,
+        so the first group's wait covers every group's reduction, all-reduces included. Only then
+        do the groups drop their `_all_reduce_state`, which under HSDP holds each group's
+        reduce-dtype output whenever it is not itself the sharded gradient. As everywhere in the
+        graph, a wait is the deps of the compute-stream ops that follow it: these frees, and the
+        callback's free of the last reduce-scatter input (the events are returned for it).
+        """
+        waits = tuple(self.last_post_reduce_events.values())
+        self.last_post_reduce_events.clear()
+        for buf in self.all_reduce_states.values():
+            self.g.free(COMPUTE, buf, deps=waits)
+        self.all_reduce_states.clear()
+        return waits
 
     # ---- gradient accumulation without sync (set_requires_gradient_sync(False)) ---------------
     def accumulate_unsharded_grads(self, u: Unit) -> None:
@@ -191,16 +249,6 @@ class FSDP2Runtime:
             g.add("copy", COMPUTE, f"{p.name} grad to {s.reduce_dtype}", hbm_bytes=grad.nbytes + acc.nbytes)
             g.free(COMPUTE, grad)
             self.accumulated_grads[p.name] = acc
-
-    def root_post_backward_final_callback(self) -> Op | None:
-        """The compute stream waits the last reduction; the last reduce-scatter input is released."""
-        self.g.unit = self.root.name
-        if self.reduce_scatter_state is None:
-            return None
-        buf, last = self.reduce_scatter_state
-        self.g.free(COMPUTE, buf, deps=(last,))
-        self.reduce_scatter_state = None
-        return last
 
     # ---- unshard / reshard (all-gather copy-in, collective, copy-out) -------------------------
     def unshard(self, u: Unit) -> None:
@@ -257,11 +305,17 @@ class FSDP2Runtime:
 
     # ---- gradient reduction (foreach_reduce) -------------------------------------------------
     def foreach_reduce(self, u: Unit) -> None:
+        """COL:foreach_reduce: copy-in on the compute stream, then reduce-scatter, all-reduce, post-reduce.
+
+        On the reduce-scatter stream: the output, the pre-divide (fp16 only), the reduce-scatter (a
+        copy for a shard group of one), whose event the next post_backward waits. HSDP moves the
+        post-reduce stream to the all-reduce stream: the in-place all-reduce, then the post-divide
+        (fp16 only) and the cast to the sharded parameter's dtype run there. The reduce-dtype output
+        is dropped when foreach_reduce returns, unless HSDP's `_all_reduce_state` keeps it (it
+        stops the next reduce-scatter from reusing its block while the all-reduce runs) until
+        `finalize_backward`. The last op on the post-reduce stream is the group's post-reduce event.
+        """
         s, g = self.s, self.g
-        if self.reduce_scatter_state is not None:
-            # the compute stream waits the previous reduce-scatter, then drops its input
-            prev, prev_event = self.reduce_scatter_state
-            g.free(COMPUTE, prev, deps=(prev_event,))
         shard = self.trainable_shard[u.name]
         rs_in = g.alloc(COMPUTE, f"{u.name} reduce-scatter input", "reduce_scatter_buffers", shard * s.shard_size * s.reduce_bytes)
         # a gradient accumulated over earlier micro-batches (in reduce_dtype) replaces this backward's
@@ -272,33 +326,51 @@ class FSDP2Runtime:
         for buf in grads:
             g.free(COMPUTE, buf)
         existing = self.sharded_grads.get(u.name)  # from an earlier micro-batch
-        rs_out_is_grad = s.reduce_dtype == s.storage_dtype and existing is None
+        cast = s.reduce_dtype != s.storage_dtype  # _to_dtype_if_needed: a new tensor
+        rs_out_is_grad = not cast and existing is None
+        # the reduce-scatter stream waits the compute stream (the copy-in)
         rs_out = g.alloc(RS, f"{u.name} sharded grads" if rs_out_is_grad else f"{u.name} reduce-scatter output",
                          "sharded_grads" if rs_out_is_grad else "reduce_scatter_buffers", shard * s.reduce_bytes, deps=(copy_in,))
-        event = g.add("reduce_scatter", RS, f"{u.name} reduce-scatter", deps=(copy_in,), group=SHARD_GROUP,
-                      comm_bytes=rs_in.nbytes)
+        pre_divide, post_divide = gradient_divide_factors(s.reduce_dtype, s.shard_size * s.replicate_size)
+        if pre_divide:
+            g.add("copy", RS, f"{u.name} pre-divide grads by {pre_divide:g}", deps=(copy_in,), hbm_bytes=2 * rs_in.nbytes)
+        if s.shard_size > 1:
+            reduce_scatter = g.add("reduce_scatter", RS, f"{u.name} reduce-scatter", deps=(copy_in,), group=SHARD_GROUP,
+                                   comm_bytes=rs_in.nbytes)
+        else:  # reduce_output.copy_(reduce_scatter_input)
+            reduce_scatter = g.add("copy", RS, f"{u.name} copy grads to reduce output (shard group of one)",
+                                   deps=(copy_in,), hbm_bytes=rs_in.nbytes + rs_out.nbytes)
+        post_reduce_stream, event = RS, reduce_scatter
         if s.replicate_size > 1:
-            event = g.add("all_reduce", AR, f"{u.name} all-reduce (replicas)", deps=(event,), group=REPLICATE_GROUP,
-                          comm_bytes=rs_out.nbytes)
-        if rs_out_is_grad:
-            self.sharded_grads[u.name] = rs_out
-            self.reduce_scatter_state = (rs_in, event)
-            return
-        grad = rs_out
-        if s.reduce_dtype != s.storage_dtype:  # cast to the sharded parameter's dtype: a new tensor
-            grad = g.alloc(RS, f"{u.name} sharded grads" if existing is None else f"{u.name} new sharded grads",
-                           "sharded_grads" if existing is None else "reduce_scatter_buffers",
-                           shard * s.storage_bytes, deps=(event,))
-            event = g.add("copy", RS, f"{u.name} cast sharded grads to {s.storage_dtype}", deps=(event,),
-                          hbm_bytes=rs_out.nbytes + grad.nbytes)
-            g.free(RS, rs_out)
+            post_reduce_stream = AR
+            event = g.add("all_reduce", AR, f"{u.name} all-reduce (replicas)", deps=(reduce_scatter,),
+                          group=REPLICATE_GROUP, comm_bytes=rs_out.nbytes)
+        if post_divide:
+            event = g.add("copy", post_reduce_stream, f"{u.name} post-divide grads by {post_divide:g}", deps=(event,),
+                          hbm_bytes=2 * rs_out.nbytes)
+        new_grad = rs_out
+        if cast:
+            new_grad = g.alloc(post_reduce_stream,
+                               f"{u.name} sharded grads" if existing is None else f"{u.name} new sharded grads",
+                               "sharded_grads" if existing is None else "reduce_scatter_buffers",
+                               shard * s.storage_bytes, deps=(event,))
+            event = g.add("copy", post_reduce_stream, f"{u.name} cast sharded grads to {s.storage_dtype}", deps=(event,),
+                          hbm_bytes=rs_out.nbytes + new_grad.nbytes)
         if existing is not None:  # sharded_param.grad += new sharded grad
-            event = g.add("copy", RS, f"{u.name} accumulate sharded grads", deps=(event,),
-                          hbm_bytes=2 * existing.nbytes + grad.nbytes)
-            g.free(RS, grad)
+            event = g.add("copy", post_reduce_stream, f"{u.name} accumulate sharded grads", deps=(event,),
+                          hbm_bytes=2 * existing.nbytes + new_grad.nbytes)
         else:
-            self.sharded_grads[u.name] = grad
-        self.reduce_scatter_state = (rs_in, event)
+            self.sharded_grads[u.name] = new_grad
+        # returned: what no sharded gradient references is dropped
+        if new_grad is not rs_out and existing is not None:
+            g.free(post_reduce_stream, new_grad)
+        if not rs_out_is_grad:
+            if s.replicate_size > 1:
+                self.all_reduce_states[u.name] = rs_out
+            else:
+                g.free(RS, rs_out)
+        self.last_post_reduce_events[post_reduce_stream] = event
+        self.reduce_scatter_state = (rs_in, reduce_scatter)
 
     # ---- autograd: what each module's forward and backward allocate -----------------------------
     def _scaled(self, nbytes: int) -> int:
@@ -314,8 +386,10 @@ class FSDP2Runtime:
             self.saved[m.name] = g.alloc(COMPUTE, f"{m.name} saved activations", "activations", self._scaled(m.saved_bytes))
         if not recompute:
             self.outputs[m.name] = g.alloc(COMPUTE, f"{m.name} output", "activations", self._scaled(m.output_bytes))
+        # a non-reentrant checkpoint's recompute stops at the block's last saved tensor (early_stop)
         g.add("compute", COMPUTE, f"{m.name} {'recompute' if recompute else 'forward'}",
-              flops=m.fwd_flops, hbm_bytes=self._scaled(m.fwd_hbm_bytes), measured_s=m.fwd_time_s)
+              flops=m.fwd_flops, hbm_bytes=self._scaled(m.fwd_hbm_bytes), measured_s=m.fwd_time_s,
+              kernels=m.kernels, kernel_pass="recompute" if recompute else "forward")
         if transient is not None:
             g.free(COMPUTE, transient)
         if not recompute and prev is not None and not (m.saves_input or checkpointed):
@@ -330,7 +404,7 @@ class FSDP2Runtime:
         # remains: the gradient w.r.t. the input and the parameters' unsharded gradients
         temp = g.alloc(COMPUTE, f"{m.name} backward temporaries", "temporaries", self._scaled(m.bwd_temp_bytes)) if m.bwd_temp_bytes else None
         g.add("compute", COMPUTE, f"{m.name} backward", flops=m.bwd_flops, hbm_bytes=2 * self._scaled(m.fwd_hbm_bytes),
-              measured_s=m.bwd_time_s)
+              measured_s=m.bwd_time_s, kernels=m.kernels, kernel_pass="backward")
         if temp is not None:
             g.free(COMPUTE, temp)
         if m.name in self.saved:
@@ -357,12 +431,31 @@ class FSDP2Runtime:
         numel = sum(self.trainable_shard.values())
         temps = OPTIMIZER_STEP_TEMPS[s.optimizer] * numel * 4
         temp = g.alloc(COMPUTE, f"{s.optimizer}.step temporaries", "optimizer_states", temps, deps=(last_reduce,)) if temps else None
-        g.add("compute", COMPUTE, f"{s.optimizer}.step", deps=(last_reduce,), hbm_bytes=OPTIMIZER_STEP_TRAFFIC[s.optimizer] * numel)
+        # one multi_tensor_apply launch per pass per FOREACH_ELEMENTS_PER_LAUNCH elements
+        launches = OPTIMIZER_STEP_PASSES[s.optimizer] * max(1, -(-numel // FOREACH_ELEMENTS_PER_LAUNCH))
+        g.add("compute", COMPUTE, f"{s.optimizer}.step", deps=(last_reduce,), hbm_bytes=OPTIMIZER_STEP_TRAFFIC[s.optimizer] * numel,
+              launches=launches)
         if temp is not None:
             g.free(COMPUTE, temp)
         for buf in self.sharded_grads.values():
             g.free(COMPUTE, buf)
         self.sharded_grads.clear()
+
+
+def gradient_divide_factors(reduce_dtype: str, data_parallel_size: int) -> tuple[float | None, float | None]:
+    """COL:_get_gradient_divide_factors without a user factor: the (pre, post) divide kernels, None if none.
+
+    fp32 and bf16 reduce with NCCL's ReduceOp.AVG, no divide kernel; fp16 sums, dividing by about
+    sqrt(N) before and the rest after to stay in range. A factor of 1 runs no kernel (_div_if_needed).
+    """
+    if reduce_dtype in ("fp32", "bf16"):
+        return None, None
+    factor = float(data_parallel_size)
+    pre = 1
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    post = factor / pre
+    return (pre if pre != 1 else None), (post if post != 1 else None)
 
 
 def build_fsdp2_step(workload: Workload, units: list[Unit], settings: FSDPSettings) -> OpGraph:
