@@ -15,6 +15,8 @@ from typing import Any
 from fsdp_sim.datafile import read_data, reject_unknown_keys
 from fsdp_sim.dtypes import DTYPE_BYTES
 from fsdp_sim.errors import ScenarioError
+from fsdp_sim.hardware.fabric import NETWORK_SCALARS, Network, check_network_value
+from fsdp_sim.hardware.kernels import SDPA_BACKENDS, ComputeOptions
 from fsdp_sim.hardware.profiles import Cluster, load_profile
 from fsdp_sim.schedule.settings import OPTIMIZER_STATES, FSDPSettings
 from fsdp_sim.workload import PRESETS, TransformerDims, Workload, build_transformer
@@ -70,6 +72,7 @@ class Scenario:
     wrap: str
     sharding_strategy: str
     safety_margin: float
+    compute: ComputeOptions = ComputeOptions()
 
 
 _DIM_KEYS = {f.name for f in fields(TransformerDims)}
@@ -125,6 +128,36 @@ def _workload(model: dict, *, micro_batch: int, seq_len: int, act_dtype: str, ba
     return build_transformer(dims, micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype, name=name)
 
 
+def _compute_options(compute: dict) -> ComputeOptions:
+    """`compute.*`: TF32 for fp32 matmuls (PyTorch's default is off), torch.compile, the SDPA backend and the
+    torch version whose default backend order picks it."""
+    version = _get("compute", compute, "torch_version", str, "2.13")
+    parts = version.split(".")
+    if not 2 <= len(parts) <= 3 or not all(p.isdigit() and len(p) <= 4 for p in parts):
+        raise ScenarioError(f"compute.torch_version: expected a version such as '2.13' or '2.5.1', got {version[:40]!r}")
+    return ComputeOptions(allow_tf32=_get("compute", compute, "allow_tf32", bool, False),
+                          torch_compile=_get("compute", compute, "torch_compile", bool, False),
+                          sdpa_backend=_get("compute", compute, "sdpa_backend", str, "auto", choices=SDPA_BACKENDS),
+                          torch_version=tuple(int(p) for p in parts))
+
+
+_NETWORK_KINDS = {"nics_per_node": int, "nic_gbps": float, "nic_efficiency": float, "rail_optimized": bool,
+                  "oversubscription": float, "hop_latency_s": float, "host_overhead_s": float}
+
+
+def _network(hardware: dict, profile: Network) -> Network | None:
+    """`hardware.network`: the profile's NICs with the keys given replaced (None when the key is absent)."""
+    if "network" not in hardware:
+        return None
+    network = _expect("hardware.network", hardware["network"])
+    reject_unknown_keys("hardware.network", network, set(NETWORK_SCALARS))
+    given = {}
+    for key in network:
+        value = _get("hardware.network", network, key, _NETWORK_KINDS[key])
+        given[key] = check_network_value(f"hardware.network.{key}", key, value)
+    return replace(profile, **given)
+
+
 def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) -> Scenario:
     """Check and resolve scenario data; relative file paths inside it are taken from `base`."""
     base = base or Path.cwd()
@@ -149,11 +182,11 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     ac = _get("training", training, "activation_checkpointing", str, "none", choices=("none", "full"))
 
     hardware = _expect("hardware", data.get("hardware"))
-    reject_unknown_keys("hardware", hardware, {"profile", "nodes", "gpus_per_node"})
+    reject_unknown_keys("hardware", hardware, {"profile", "nodes", "gpus_per_node", "network"})
     gpu = load_profile(_get("hardware", hardware, "profile", str))
     nodes = _get("hardware", hardware, "nodes", int, 1, positive=True)
     gpn = _get("hardware", hardware, "gpus_per_node", int, gpu.gpus_per_node, positive=True)
-    cluster = Cluster(gpu, nodes, gpn)
+    cluster = Cluster(gpu, nodes, gpn, _network(hardware, gpu.fabric.network))
     world = cluster.world_size
 
     fsdp = _expect("fsdp", data.get("fsdp"))
@@ -172,6 +205,7 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     if raf is not None and "sharding_strategy" in fsdp and raf != reshard:
         raise ScenarioError(f"fsdp.reshard_after_forward: {raf} contradicts sharding_strategy {strategy} (which implies {reshard})")
     reshard = reshard if raf is None else raf
+    # false: m.set_modules_to_backward_prefetch([m]) on every FSDP module m (not [], which keeps the default)
     backward_prefetch = _get("fsdp", fsdp, "backward_prefetch", bool, True)
     reshard_last_block = _get("fsdp", fsdp, "reshard_last_block", bool, True)
     requires_gradient_sync = _get("fsdp", fsdp, "requires_gradient_sync", bool, True)
@@ -196,7 +230,8 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     workload = _workload(model, micro_batch=micro_batch, seq_len=seq_len, act_dtype=param_dtype, base=base)
     _check_scale(workload)
     compute = _expect("compute", data.get("compute"))
-    reject_unknown_keys("compute", compute, {"trace"})
+    reject_unknown_keys("compute", compute, {"trace", "allow_tf32", "torch_compile", "sdpa_backend", "torch_version"})
+    options = _compute_options(compute)
     if "trace" in compute:
         trace = Path(_get("compute", compute, "trace", str))
         workload = apply_profile_trace(workload, trace if trace.is_absolute() else base / trace)
@@ -207,7 +242,7 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
                             reshard_last_unit=reshard_last_block,
                             grad_accumulation=grad_accumulation, requires_gradient_sync=requires_gradient_sync)
     return Scenario(name=_get("scenario", data, "name", str, name), workload=workload, units=units, cluster=cluster,
-                    settings=settings, wrap=wrap, sharding_strategy=strategy, safety_margin=margin)
+                    settings=settings, wrap=wrap, sharding_strategy=strategy, safety_margin=margin, compute=options)
 
 
 def load_scenario(path: str | Path) -> Scenario:

@@ -23,10 +23,10 @@ def simulate(scenario: Scenario) -> StepResult:
         s = scenario.settings
         graph = build_fsdp2_step(scenario.workload, scenario.units, s)
         costs = OpCosts(scenario.cluster, shard_size=s.shard_size, replicate_size=s.replicate_size,
-                        compute_dtype=s.param_dtype)
-        timing = play(graph.ops, costs.duration)
+                        compute_dtype=s.param_dtype, options=scenario.compute)
+        timing = play(graph.ops, costs.duration, host_s=costs.host_s, slowdown=costs.slowdown)
         memory = replay(graph.ops, graph.persistent, timing.start)
-        return StepResult(scenario, graph, timing, memory)
+        return StepResult(scenario, graph, timing, memory, costs.times)
     finally:
         if paused:
             gc.enable()

@@ -119,7 +119,12 @@ def test_moe_routed_flops_and_activations_scale_with_top_k():
     blk1, blk2 = top1.modules[1], top2.modules[1]
     dense_mlp = 2 * b * s * 3 * h * f  # one SwiGLU MLP per token
     assert blk2.fwd_flops - blk1.fwd_flops == dense_mlp
-    assert blk2.bwd_flops == 2 * blk2.fwd_flops
+    # backward is the kernels' sum: two GEMMs per GEMM, and SDPA's backward 2.5x its forward (as torch's
+    # flop_counter counts it), so a little more than twice the forward
+    attn = 4 * b * s * s * h * 0.5  # causal flash attention
+    assert blk2.bwd_flops == sum(k.bwd_flops for k in blk2.kernels) == 2 * (blk2.fwd_flops - attn) + 2.5 * attn
+    # the experts' GEMMs run over the tokens routed to each: tokens x top_k / experts
+    assert {k.shape[0] for k in blk2.kernels if k.name.startswith("experts.") and k.kind == "gemm"} == {b * s * 2 // 4}
     # each extra routed token keeps its gathered input, four ffn-wide tensors, its output, weight and index
     per_routed = h * 2 + 4 * f * 2 + h * 2 + 2 + 8 + (8 + 4)
     assert blk2.saved_bytes - blk1.saved_bytes == b * s * per_routed
@@ -153,6 +158,13 @@ def test_vit_is_non_causal_over_patches_plus_cls():
     blk = wl.modules[1]
     matmul = 2 * b * s * sum(p.numel for p in blk.params if len(p.shape) == 2)
     assert blk.fwd_flops == matmul + 4 * b * s * s * h  # the full s x s attention, not halved
+    # backward: two GEMMs per GEMM, SDPA's backward 2.5x its forward (torch's flop_counter counts it so)
+    assert blk.bwd_flops == 2 * matmul + 2.5 * 4 * b * s * s * h
+    attention = [k for k in blk.kernels if k.kind == "attention"]
+    assert [(k.shape, k.causal) for k in attention] == [((b, 16, s, 80), False)]
+    assert not any(k.kind == "rope" for k in blk.kernels)  # positions are learned, added in the embeddings
+    conv = next(k for k in wl.modules[0].kernels if k.kind == "gemm")
+    assert conv.shape == (b * 256, h, 3 * 14 * 14)  # images x patches, hidden, channels x patch^2
     assert wl.modules[-2].params[0].shape == (1000, h)  # classifier head
     assert not wl.modules[-1].in_model
 
@@ -176,6 +188,14 @@ def test_clip_has_both_towers_and_a_contrastive_loss():
     wl = build("clip-vit-large-patch14", micro_batch=b, seq_len=77)
     assert sum(m.is_block for m in wl.modules) == 24 + 12
     assert wl.modules[-2].output_bytes == b * b * 2  # b x b logits
+    logits = next(k for k in wl.modules[-2].kernels if k.kind == "gemm")
+    assert logits.shape == (b, b, 768) and wl.modules[-2].fwd_flops == 2 * b * b * 768
+    vision, text = wl.modules[2], next(m for m in wl.modules if m.name == "text_model.layers.0")
+    assert [k.causal for k in vision.kernels + text.kernels if k.kind == "attention"] == [False, True]
+    # CLIP's hidden_act quick_gelu, x * sigmoid(1.702 x), is three eager kernels in both towers
+    for blk in (vision, text):
+        assert [k.name for k in blk.kernels if k.name.startswith("quick_gelu")] == \
+            ["quick_gelu 1.702 * x", "quick_gelu sigmoid", "quick_gelu x * sigmoid"]
     with pytest.raises(ScenarioError, match="max_position_embeddings"):
         build("clip-vit-large-patch14", seq_len=78)
 

@@ -1,48 +1,97 @@
-"""Price each op of a step on a cluster: roofline compute, HBM-bound copies, ring collectives."""
+"""Price each op of a step on a cluster: kernels at their measured speed, NCCL collectives, and what
+running at once costs.
+
+Overlap is not free. While an NCCL kernel runs it holds one SM per channel ("NCCL CTAs won't share an
+SM with compute kernels", sjeaugey, nccl#689 [C26]) and moves about three times its link traffic through
+HBM ("store to memory, then read back ... plus user data", nccl#1428 [C24]). So a concurrent op's
+SM-bound part (matmuls, attention) slows by SMs / (SMs - NCCL channels), and its memory-bound part and the
+collective share HBM: each slows by (HBM + the collective's HBM traffic) / HBM, weighted by the memory-bound
+share of the compute op. These come from the components; the reference's measured averages (18.9 % for
+overlapped compute, arXiv 2507.03114 [C25]) are what `benchmarks/bench_components.py` compares them with.
+"""
 
 from __future__ import annotations
 
-from fsdp_sim.hardware.collectives import CollectiveCost, all_gather_time, all_reduce_time, reduce_scatter_time
+from fsdp_sim.hardware.collectives import ProcessGroup, collective_time, link_loads, shared_slowdown
+from fsdp_sim.hardware.compute import ComputeCosts
+from fsdp_sim.hardware.kernels import ComputeOptions, KernelTimes
 from fsdp_sim.hardware.profiles import Cluster
-from fsdp_sim.schedule.ops import Op
+from fsdp_sim.schedule.ops import COLLECTIVES, Op
 
-_COLLECTIVE_TIME = {"all_gather": all_gather_time, "reduce_scatter": reduce_scatter_time, "all_reduce": all_reduce_time}
+NCCL_HBM_TRAFFIC_PER_LINK_BYTE = 3.0  # HBM bytes per byte on the link: store, read back, user data [C24 nccl#1428]
 
 
 class OpCosts:
-    """`duration(op)` for a (replicate x shard) mesh laid out node-major on `cluster`.
+    """`duration(op)` alone, `host_s(op)` on the CPU and `slowdown(op, running)` for a (replicate x shard)
+    mesh laid out node-major on `cluster`.
 
     Shard groups are consecutive ranks (as `init_device_mesh` lays out the last mesh dim), so a shard
     group of `s` ranks spans ceil(s / gpus_per_node) nodes; a replicate group's members are `s` ranks
     apart, one per node once a shard group fills a node.
     """
 
-    def __init__(self, cluster: Cluster, *, shard_size: int, replicate_size: int, compute_dtype: str) -> None:
+    def __init__(self, cluster: Cluster, *, shard_size: int, replicate_size: int, compute_dtype: str,
+                 options: ComputeOptions = ComputeOptions()) -> None:
         gpu, gpn = cluster.gpu, cluster.gpus_per_node
         self.gpu = gpu
-        self.matmul_flops = gpu.flops(compute_dtype) * gpu.matmul_efficiency
+        self.compute = ComputeCosts(gpu, compute_dtype, options)
         shard_nodes = -(-shard_size // gpn)
         replicate_nodes = replicate_size if shard_size >= gpn else cluster.nodes
         self.groups = {
-            "shard": CollectiveCost(shard_size, shard_nodes, gpu.intra_node, gpu.inter_node),
-            "replicate": CollectiveCost(replicate_size, replicate_nodes, gpu.intra_node, gpu.inter_node),
+            "shard": ProcessGroup(shard_size, shard_nodes),
+            "replicate": ProcessGroup(replicate_size, replicate_nodes),
         }
-
-    def compute_time(self, flops: float, hbm_bytes: float) -> float:
-        """Matmul FLOPs at the achievable rate plus elementwise traffic at HBM bandwidth.
-
-        A module is a sequence of kernels on one stream: its matmuls are compute-bound and its norms,
-        activations and residual adds are memory-bound, and they do not overlap each other, so the
-        two times add (a roofline `max` would hide the elementwise kernels behind the matmuls).
-        """
-        return flops / self.matmul_flops + hbm_bytes / self.gpu.hbm_bandwidth_Bps
+        self.fabric = cluster.fabric  # the profile's fabric with the scenario's hardware.network applied
+        self.ring = {"shard": (shard_size - 1) / shard_size, "replicate": 2 * (replicate_size - 1) / replicate_size}
+        self.nccl_channels = self.fabric.nccl_channels  # SMs one collective holds (profile, [C26])
+        self._loads = {name: {k: link_loads(k, g, self.fabric) for k in COLLECTIVES} for name, g in self.groups.items()}
+        self._collective: dict[tuple, float] = {}  # by (kind, bytes, group): units of one size share a price
 
     def duration(self, op: Op) -> float:
         kind = op.kind
-        if op.measured_s is not None:
-            return op.measured_s
+        if kind in COLLECTIVES:
+            key = (kind, op.comm_bytes, op.group)
+            t = self._collective.get(key)
+            if t is None:
+                t = self._collective[key] = collective_time(kind, op.comm_bytes, self.groups[op.group], self.fabric)
+            return t
         if kind == "compute" or kind == "copy":
-            return self.compute_time(op.flops, op.hbm_bytes)
-        if kind in _COLLECTIVE_TIME:
-            return _COLLECTIVE_TIME[kind](op.comm_bytes, self.groups[op.group])
+            return self.compute.duration(op)
         return 0.0
+
+    def times(self, op: Op) -> KernelTimes:
+        """GPU time by class of a compute-stream op run alone."""
+        return self.compute.times(op)
+
+    def host_s(self, op: Op) -> float:
+        return self.compute.host_s(op)
+
+    def _hbm_demand(self, op: Op) -> float:
+        """HBM bytes/s a running collective draws: its link traffic per second, three times over."""
+        dur = self.duration(op)
+        return NCCL_HBM_TRAFFIC_PER_LINK_BYTE * op.comm_bytes * self.ring[op.group] / dur if dur > 0 else 0.0
+
+    def slowdown(self, op: Op, running: list[Op]) -> float:
+        """How much slower `op` runs beside `running` (which includes op itself) than alone."""
+        hbm = self.gpu.hbm_bandwidth_Bps
+        comm = [o for o in running if o.kind in COLLECTIVES and o is not op]
+        if op.kind in COLLECTIVES:
+            # collectives of other process groups in flight share the links both cross (HSDP's shard
+            # and replicate groups meet on the NICs once a shard group spans nodes)
+            links = 1.0
+            if comm:
+                loads = [self._loads[o.group][o.kind] for o in [op, *comm]]
+                links = shared_slowdown(loads)[0]
+            memory_share = max((self._memory_share(o) for o in running if o.kind in ("compute", "copy")), default=0.0)
+            return links * (1.0 + memory_share * self._hbm_demand(op) / hbm)
+        if not comm or op.kind not in ("compute", "copy"):
+            return 1.0
+        sms = self.gpu.sm_count
+        held = min(self.nccl_channels * len(comm), sms - 1)
+        memory = self._memory_share(op)
+        demand = sum(self._hbm_demand(o) for o in comm)
+        return (1.0 - memory) * sms / (sms - held) + memory * (1.0 + demand / hbm)
+
+    def _memory_share(self, op: Op) -> float:
+        t = self.compute.times(op)
+        return t.memory / t.total if t.total > 0 else 0.0

@@ -10,9 +10,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from collections.abc import Callable
+
 from fsdp_sim.engine import MemoryTrace, Timing
+from fsdp_sim.hardware.kernels import KernelTimes
 from fsdp_sim.scenario import Scenario
-from fsdp_sim.schedule.ops import CATEGORIES, COLLECTIVES, OpGraph
+from fsdp_sim.schedule.ops import CATEGORIES, COLLECTIVES, Op, OpGraph
 
 def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[list[float]] = []
@@ -50,6 +53,7 @@ class StepResult:
     graph: OpGraph
     timing: Timing
     memory: MemoryTrace
+    alone_s: Callable[[Op], KernelTimes]  # an op's GPU time by class when it runs alone (no interference)
     _activity_cache: tuple | None = field(default=None, init=False, repr=False)
 
     # ---- time ------------------------------------------------------------------------
@@ -57,46 +61,83 @@ class StepResult:
     def step_time_s(self) -> float:
         return self.timing.makespan
 
-    def _activity(self) -> tuple[list[tuple[float, float]], list[tuple[float, float]], dict[str, float]]:
-        """(merged compute-stream kernel intervals, collective intervals, ring bytes moved per rank by
-        collective kind), from one pass over the ops."""
+    def _activity(self) -> tuple[list[tuple[float, float]], dict[str, list[tuple[float, float]]], dict[str, float], dict]:
+        """(merged compute-stream kernel intervals, collective intervals by kind, ring bytes moved per rank by
+        collective kind, compute-stream time by cause), from one pass over the ops."""
         if self._activity_cache is None:
             s = self.scenario.settings
             ring = {"shard": (s.shard_size - 1) / s.shard_size,
                     "replicate": 2 * (s.replicate_size - 1) / s.replicate_size}
-            start, end = self.timing.start.tolist(), self.timing.end.tolist()
-            busy, comm = [], []
+            start, end, issued = self.timing.start.tolist(), self.timing.end.tolist(), self.timing.issued.tolist()
+            busy: list[tuple[float, float]] = []
+            comm: dict[str, list[tuple[float, float]]] = {k: [] for k in COLLECTIVES}
             moved = {k: 0.0 for k in COLLECTIVES}
+            causes = {"matmul_s": 0.0, "attention_s": 0.0, "memory_bound_s": 0.0, "interference_s": 0.0,
+                      "cpu_bound_s": 0.0}
+            stream_free = 0.0  # when the compute stream finished its previous op
             for op in self.graph.ops:
                 kind = op.kind
+                if kind in COLLECTIVES:
+                    comm[kind].append((start[op.id], end[op.id]))
+                    moved[kind] += op.comm_bytes * ring[op.group]
+                    continue
+                if op.stream != "compute":
+                    continue
+                i = op.id
+                # the stream idled for the CPU when the op was ready (stream free, events done) before issue
+                ready = max([stream_free] + [end[d] for d in op.deps])
+                if issued[i] > ready:
+                    causes["cpu_bound_s"] += start[i] - ready
+                stream_free = end[i]
                 if kind == "alloc" or kind == "free":
                     continue
-                if kind in COLLECTIVES:
-                    comm.append((start[op.id], end[op.id]))
-                    moved[kind] += op.comm_bytes * ring[op.group]
-                elif op.stream == "compute":
-                    busy.append((start[op.id], end[op.id]))
-            self._activity_cache = (_merge(busy), comm, moved)
+                busy.append((start[i], end[i]))
+                t = self.alone_s(op)
+                causes["matmul_s"] += t.matmul
+                causes["attention_s"] += t.attention
+                causes["memory_bound_s"] += t.memory
+                causes["interference_s"] += max(0.0, end[i] - start[i] - t.total)
+            self._activity_cache = (_merge(busy), comm, moved, causes)
         return self._activity_cache
 
     def communication(self) -> dict:
-        busy, comm, moved = self._activity()
-        total = sum(b - a for a, b in comm)
-        comm_merged = _merge(comm)
+        busy, comm, moved, _ = self._activity()
+        everything = [iv for ivs in comm.values() for iv in ivs]
+        total = sum(b - a for a, b in everything)
+        comm_merged = _merge(everything)
         active = _length(comm_merged)
         exposed = max(0.0, active - _intersection(comm_merged, busy))
+        by_kind = {}
+        for kind, ivs in comm.items():
+            merged = _merge(ivs)
+            by_kind[kind] = max(0.0, _length(merged) - _intersection(merged, busy))
         return {"all_gather_bytes": int(moved["all_gather"]), "reduce_scatter_bytes": int(moved["reduce_scatter"]),
                 "all_reduce_bytes": int(moved["all_reduce"]), "total_s": total, "exposed_s": exposed,
+                "exposed_by_collective_s": by_kind,
                 # the share of the time some collective runs that compute runs too
                 "overlap_fraction": min(1.0, max(0.0, 1 - exposed / active)) if active > 0 else 1.0}
 
     def compute(self) -> dict:
-        busy = _length(self._activity()[0])
-        gpu = self.scenario.cluster.gpu
-        peak = gpu.flops(self.scenario.settings.param_dtype)
-        flops = self.scenario.workload.model_flops * self.scenario.settings.grad_accumulation
+        """Busy time, the step's compute-stream time by cause, and MFU.
+
+        MFU counts what the time model counts (`Workload.model_flops`: the kernels of one forward and
+        backward, causal attention at half the scores, no recompute) against the peak of the rate the
+        matmuls run at, so it cannot pass 1 while every kernel runs at or below its peak.
+        """
+        busy, _, _, causes = self._activity()
+        sc = self.scenario
+        peak = sc.cluster.gpu.matmul_peak(sc.settings.param_dtype, sc.compute.allow_tf32)
+        flops = sc.workload.model_flops * sc.settings.grad_accumulation
         mfu = flops / (self.step_time_s * peak) if self.step_time_s > 0 else 0.0
-        return {"busy_s": busy, "mfu": mfu, "model_flops": flops}
+        return {"busy_s": _length(busy), "mfu": mfu, "model_flops": flops, "breakdown": dict(causes)}
+
+    def throughput(self) -> dict:
+        sc = self.scenario
+        per_rank = sc.workload.tokens * sc.settings.grad_accumulation
+        per_step = per_rank * sc.settings.replicate_size * sc.settings.shard_size
+        step = self.step_time_s
+        return {"tokens_per_step": per_step, "tokens_per_s": per_step / step if step > 0 else 0.0,
+                "tokens_per_s_per_gpu": per_rank / step if step > 0 else 0.0}
 
     # ---- memory ------------------------------------------------------------------------
     @property
@@ -142,6 +183,7 @@ class StepResult:
             "memory": self.memory_summary(peak),
             "communication": self.communication(),
             "compute": self.compute(),
+            "throughput": self.throughput(),
             "model": {"name": wl.name, "params": wl.numel, "tokens_per_rank": wl.tokens * s.grad_accumulation},
             "hardware": {"profile": sc.cluster.gpu.name, "nodes": sc.cluster.nodes,
                          "gpus_per_node": sc.cluster.gpus_per_node, "world_size": sc.cluster.world_size},

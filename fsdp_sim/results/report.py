@@ -16,6 +16,7 @@ def fmt_time(s: float) -> str:
 def summary(d: dict) -> str:
     """Human-readable text from `StepResult.to_dict()` output."""
     peak, mem, comm, comp, f = d["peak"], d["memory"], d["communication"], d["compute"], d["fsdp"]
+    tp, br = d["throughput"], comp["breakdown"]
     hw = d["hardware"]
     lines = [
         f"fsdp-sim: {d['scenario']} — {d['model']['name']} ({d['model']['params'] / 1e9:.2f} B params) on "
@@ -24,10 +25,17 @@ def summary(d: dict) -> str:
         f"({len(d['units'])} units), reshard_after_forward={f['reshard_after_forward']}, "
         f"param {f['param_dtype']} / reduce {f['reduce_dtype']}, {f['optimizer']}, AC {f['activation_checkpointing']}",
         "",
-        f"Step time            {fmt_time(d['step_time_s'])}",
+        f"Step time            {fmt_time(d['step_time_s'])}   {tp['tokens_per_s_per_gpu']:.0f} tokens/s per GPU, "
+        f"{tp['tokens_per_step']} tokens per step",
         f"Compute busy         {fmt_time(comp['busy_s'])}   MFU {100 * comp['mfu']:.1f} %",
+        f"  alone on the GPU   matmul {fmt_time(br['matmul_s'])}, attention {fmt_time(br['attention_s'])}, "
+        f"memory-bound {fmt_time(br['memory_bound_s'])}",
+        f"  slowed by NCCL     {fmt_time(br['interference_s'])}; waiting for the CPU (launch-bound) "
+        f"{fmt_time(br['cpu_bound_s'])}",
         f"Communication        {fmt_time(comm['total_s'])} total, {fmt_time(comm['exposed_s'])} exposed, "
         f"overlap {100 * comm['overlap_fraction']:.1f} %",
+        "  exposed            " + ", ".join(f"{k.replace('_', '-')} {fmt_time(v)}"
+                                          for k, v in comm["exposed_by_collective_s"].items() if v or k != "all_reduce"),
         f"  per rank moved     all-gather {fmt_bytes(comm['all_gather_bytes'])}, "
         f"reduce-scatter {fmt_bytes(comm['reduce_scatter_bytes'])}"
         + (f", all-reduce {fmt_bytes(comm['all_reduce_bytes'])}" if comm["all_reduce_bytes"] else ""),

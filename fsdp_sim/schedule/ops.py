@@ -51,6 +51,9 @@ class Op:
     group: str = ""
     buffer: Buffer | None = None
     measured_s: float | None = None
+    kernels: tuple = ()  # a module's `Kernel`s, run as `kernel_pass` (forward | backward | recompute)
+    kernel_pass: str = ""
+    launches: int = 1  # kernels the CPU launches for an op priced from FLOPs and bytes (a copy, a foreach pass)
 
 
 class OpGraph:
@@ -64,10 +67,10 @@ class OpGraph:
         self.unit = ""
 
     def add(self, kind: str, stream: str, name: str, *, deps=(), flops=0.0, hbm_bytes=0.0,
-            comm_bytes=0.0, group="", buffer=None, measured_s=None) -> Op:
+            comm_bytes=0.0, group="", buffer=None, measured_s=None, kernels=(), kernel_pass="", launches=1) -> Op:
         ids = tuple([d.id for d in deps if d is not None]) if deps else ()
         op = Op(len(self.ops), kind, stream, name, self.unit, self.phase, ids, flops, hbm_bytes, comm_bytes, group,
-                buffer, measured_s)
+                buffer, measured_s, kernels, kernel_pass, launches)
         self.ops.append(op)
         return op
 

@@ -21,7 +21,7 @@ import yaml
 from fsdp_sim.dtypes import DTYPE_BYTES
 from fsdp_sim.datafile import read_data, reject_unknown_keys
 from fsdp_sim.errors import ScenarioError
-from fsdp_sim.workload.model import Module, Param, Workload
+from fsdp_sim.workload.model import KERNEL_KINDS, Kernel, Module, Param, Workload
 
 # key -> kind of value: "str", "int" (non-negative), "float" (finite, non-negative), "bool", "dtype",
 # "shape", "names" (list of str), "time" (float or null), "mapping"; plus the nested lists.
@@ -30,13 +30,16 @@ _WORKLOAD_KEYS = {"name": "str", "modules": "modules", "activation_dtype": "dtyp
 _MODULE_KEYS = {"name": "str", "kind": "str", "params": "params", "tied_params": "names", "fwd_flops": "float",
                 "bwd_flops": "float", "fwd_hbm_bytes": "float", "saved_bytes": "int", "fwd_temp_bytes": "int",
                 "bwd_temp_bytes": "int", "output_bytes": "int", "saves_input": "bool", "is_block": "bool",
-                "in_model": "bool", "fwd_time_s": "time", "bwd_time_s": "time"}
+                "in_model": "bool", "fwd_time_s": "time", "bwd_time_s": "time",
+                "kernels": "kernels"}
 _PARAM_KEYS = {"name": "str", "shape": "shape", "dtype": "dtype", "trainable": "bool"}
+_KERNEL_KEYS = {"name": "str", "kind": "kernel_kind", "shape": "shape", "bytes": "float", "bwd_bytes": "float",
+                "launches": "int", "bwd_launches": "int", "causal": "bool", "recompute": "bool"}
 # the fields without a default: Workload name, modules; Module name, kind; Param name, shape
 _REQUIRED = {cls: tuple(f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING)
-             for cls in (Workload, Module, Param)}
+             for cls in (Workload, Module, Param, Kernel)}
 
-for _cls, _keys in ((Workload, _WORKLOAD_KEYS), (Module, _MODULE_KEYS), (Param, _PARAM_KEYS)):
+for _cls, _keys in ((Workload, _WORKLOAD_KEYS), (Module, _MODULE_KEYS), (Param, _PARAM_KEYS), (Kernel, _KERNEL_KEYS)):
     # the schema must follow the dataclasses: a field added there and not here would be silently dropped
     if {f.name for f in fields(_cls)} != set(_keys):  # pragma: no cover - a developer error, caught by any test
         raise RuntimeError(f"fsdp_sim.workload.io: the schema of {_cls.__name__} is out of date")
@@ -60,6 +63,7 @@ def workload_to_text(workload: Workload, *, as_json: bool = False) -> str:
         return json.dumps(data, indent=1) + "\n"
     for m in data["modules"]:
         m["params"] = [_FlowMap(p) for p in m["params"]]
+        m["kernels"] = [_FlowMap(k) for k in m["kernels"]]
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=160)
 
 
@@ -109,6 +113,19 @@ def _value(kind: str, value: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise ScenarioError(f"{where}: expected a list of parameters, got {type(value).__name__}")
         return tuple(Param(**_fields(Param, _PARAM_KEYS, p, f"{where}[{i}]")) for i, p in enumerate(value))
+    if kind == "kernels":
+        if not isinstance(value, list):
+            raise ScenarioError(f"{where}: expected a list of kernels, got {type(value).__name__}")
+        kernels = tuple(Kernel(**_fields(Kernel, _KERNEL_KEYS, k, f"{where}[{i}]")) for i, k in enumerate(value))
+        for i, k in enumerate(kernels):
+            wanted = {"gemm": 3, "attention": 4, "attention_eager": 4}.get(k.kind, 2)
+            if len(k.shape) != wanted and (wanted != 2 or k.shape):
+                raise ScenarioError(f"{where}[{i}].shape: a {k.kind} kernel needs {wanted} dimensions, got {list(k.shape)}")
+        return kernels
+    if kind == "kernel_kind":
+        if value not in KERNEL_KINDS:
+            raise ScenarioError(f"{where}: unknown kernel kind {value!r}, expected one of {list(KERNEL_KINDS)}")
+        return value
     if kind == "str":
         if not isinstance(value, str) or not value:
             raise ScenarioError(f"{where}: expected a non-empty string, got {value!r}")

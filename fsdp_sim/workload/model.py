@@ -44,12 +44,64 @@ class Param:
         return rows * math.prod(self.shape[1:])
 
 
+KERNEL_KINDS = ("gemm", "attention", "attention_eager", "norm", "norm_unfused", "rope", "activation",
+                "elementwise", "cross_entropy")
+
+
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    """One kernel (or one eager chain of small kernels) a module's forward launches, as shapes and bytes.
+
+    The hardware model prices it (`fsdp_sim/hardware/kernels.py`), so the workload stays free of time:
+    - `gemm`: `shape` (m, n, k) = (tokens, out features, in features), 2mnk FLOPs; its backward is two GEMMs
+      (the input gradient (m, k, n) and the weight gradient (n, k, m)).
+    - `attention` (SDPA) / `attention_eager` (explicit scores and softmax): `shape` (batch, heads, seq,
+      head_dim); `causal` halves the FLOPs a flash kernel does, as its benchmarks count them.
+    - memory-bound kinds (`norm`, `norm_unfused`, `rope`, `activation`, `elementwise`, `cross_entropy`):
+      `shape` (rows, row width) where the kernel's speed depends on the width (else empty);
+      `bytes` / `bwd_bytes` are the ideal HBM traffic (each input read and each output written once) of the
+      forward / backward; the measured efficiency of each kind's eager kernels covers the rest.
+    `launches` / `bwd_launches`: kernels eager PyTorch launches for it in forward / backward.
+    `recompute=False`: the kernel comes after the module's last tensor saved for backward, so a
+    non-reentrant checkpoint's recompute (`early_stop=True`) stops before it (a SwiGLU block's w2).
+    """
+
+    name: str
+    kind: str
+    shape: tuple[int, ...] = ()
+    bytes: float = 0.0
+    bwd_bytes: float = 0.0
+    launches: int = 1
+    bwd_launches: int = 1
+    causal: bool = False
+    recompute: bool = True
+
+    @property
+    def fwd_flops(self) -> float:
+        if self.kind == "gemm":
+            m, n, k = self.shape
+            return 2.0 * m * n * k
+        if self.kind in ("attention", "attention_eager"):
+            b, h, s, d = self.shape
+            # a flash kernel skips the masked half; explicit scores are computed in full
+            return 4.0 * b * h * s * s * d * (0.5 if self.causal and self.kind == "attention" else 1.0)
+        return 0.0
+
+    @property
+    def bwd_flops(self) -> float:
+        """Two GEMMs per forward GEMM; attention's backward is 2.5x its forward (5 bmm against 2,
+        `torch/utils/flop_counter.py` sdpa backward; flash-attention's benchmark counts the same)."""
+        return self.fwd_flops * (2.0 if self.kind == "gemm" else 2.5)
+
+
 @dataclass(frozen=True, slots=True)
 class Module:
     """One module of the trace, in forward execution order. See the module docstring for the byte fields.
 
     `tied_params` names parameters owned by an earlier module that this one also uses (a tied output
     head): its backward produces their gradient, so that gradient exists from this module's backward on.
+    `kernels`: what the forward launches, in order (see `Kernel`); empty when only FLOPs and bytes are known
+    (a traced or hand-written workload), and then time is priced from `fwd_flops` and `fwd_hbm_bytes`.
     `fwd_time_s` / `bwd_time_s`: measured compute durations of the module's forward / backward (seconds,
     e.g. from a profiler trace, see `workload/profile_trace.py`); None when only FLOPs and bytes are known.
     """
@@ -70,6 +122,7 @@ class Module:
     in_model: bool = True
     fwd_time_s: float | None = None
     bwd_time_s: float | None = None
+    kernels: tuple[Kernel, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -105,4 +158,6 @@ class Workload:
         for m in d["modules"]:
             for p in m["params"]:
                 p["shape"] = list(p["shape"])
+            for k in m["kernels"]:
+                k["shape"] = list(k["shape"])
         return d

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from fsdp_sim.dtypes import itemsize
 from fsdp_sim.errors import ScenarioError
+from fsdp_sim.workload.kernels import block_kernels, embedding_kernels, gemm, loss_kernels, norm
 from fsdp_sim.workload.model import Module, Param, Workload
 
 NORM_STAT_TENSORS = {"rmsnorm": 1, "layernorm": 2}  # fp32 per-row statistics saved: rstd (+ mean)
@@ -205,28 +206,29 @@ def build_transformer(d: TransformerDims, *, micro_batch: int, seq_len: int, act
         emb.append(Param("pos_embeddings.weight", (d.max_seq, h)))
     positions = 8 * s if d.learned_pos else 0  # int64 position ids, kept by the position embedding
     modules.append(Module("tok_embeddings", "embedding", tuple(emb), fwd_hbm_bytes=2 * bsh,
-                          saved_bytes=positions, output_bytes=bsh, saves_input=False))
+                          saved_bytes=positions, output_bytes=bsh, saves_input=False,
+                          kernels=embedding_kernels(tok, h, v, p)))
 
     act = block_activations(d, b, s, p)
+    kernels = block_kernels(d, b, s, p, causal=True)
+    fwd, bwd = sum(k.fwd_flops for k in kernels), sum(k.bwd_flops for k in kernels)
     for i in range(d.layers):
         params = tuple(block_params(d, f"layers.{i}"))
-        matmul = 2 * tok * sum(pr.numel for pr in params if len(pr.shape) == 2)
-        attn_flops = 4 * b * s * s * d.q_dim * (0.5 if d.attention == "sdpa" else 1.0)  # causal flash skips half
-        fwd = matmul + attn_flops
         modules.append(Module(
-            f"layers.{i}", "block", params, fwd_flops=fwd, bwd_flops=2 * fwd,
+            f"layers.{i}", "block", params, fwd_flops=fwd, bwd_flops=bwd,
             fwd_hbm_bytes=2 * (act.saved + bsh), saved_bytes=act.saved, fwd_temp_bytes=act.fwd_temp,
-            bwd_temp_bytes=act.bwd_temp, output_bytes=bsh, saves_input=act.saves_input, is_block=True))
+            bwd_temp_bytes=act.bwd_temp, output_bytes=bsh, saves_input=act.saves_input, is_block=True, kernels=kernels))
 
     final_norm = norm_saves(d, tok, p)
     modules.append(Module("norm", "norm", tuple(_norm("norm", d)), fwd_hbm_bytes=2 * bsh,
-                          saved_bytes=final_norm.extra, output_bytes=bsh, saves_input=final_norm.keeps_input))
+                          saved_bytes=final_norm.extra, output_bytes=bsh, saves_input=final_norm.keeps_input,
+                          kernels=(norm("norm", tok, h, p, fused=d.norm == "layernorm" or d.norm_impl == "fused"),)))
     head_params = () if d.tie_embeddings else (Param("output.weight", (v, h)),)
     logits = tok * v * p
     head_flops = 2 * tok * h * v
     tied = ("tok_embeddings.weight",) if d.tie_embeddings else ()
     modules.append(Module("output", "head", head_params, tied_params=tied, fwd_flops=head_flops, bwd_flops=2 * head_flops,
-                          fwd_hbm_bytes=logits, output_bytes=logits))
+                          fwd_hbm_bytes=logits, output_bytes=logits, kernels=(gemm("output", tok, v, h),)))
     # cross_entropy(logits.float()): the fp32 copy (none when the logits are fp32 already) feeds
     # log_softmax, whose fp32 output nll_loss keeps (with a 4-byte total weight); backward holds the
     # gradients of the log-softmax output and of its input (two fp32 logits-sized tensors) next to it
@@ -235,9 +237,10 @@ def build_transformer(d: TransformerDims, *, micro_batch: int, seq_len: int, act
     modules.append(Module(
         "loss", "loss", fwd_hbm_bytes=3 * fp32_logits, saved_bytes=fp32_logits + 4,
         fwd_temp_bytes=cast_copy, bwd_temp_bytes=2 * fp32_logits, output_bytes=4,
-        saves_input=False, in_model=False))
+        saves_input=False, in_model=False, kernels=loss_kernels(tok, v, p)))
 
-    n_params = sum(m.numel for m in modules)
-    model_flops = (6 * n_params + 12 * d.layers * d.q_dim * s) * tok  # torchtitan's flop_per_token x tokens
+    # what the kernels of one forward and backward execute (no recompute): matmuls, and attention as a
+    # causal flash kernel runs it (half the s x s scores; backward 2.5x forward) -- the time model's count
+    model_flops = sum(m.fwd_flops + m.bwd_flops for m in modules)
     return Workload(name=name, modules=tuple(modules), activation_dtype=act_dtype,
                     input_bytes=2 * tok * 8, tokens=tok, model_flops=float(model_flops))

@@ -1,0 +1,138 @@
+"""Each component the time model uses, priced by the model beside the published measurement it comes from.
+
+Run: python benchmarks/bench_components.py
+A row whose model figure is far from its reference is a component to fix, never a constant to tune:
+the step time is only as right as these pieces. Reference keys are those of
+/work/shared/reference/component-timing.md ([C#]) and hardware.md ([S#]).
+"""
+
+from __future__ import annotations
+
+from fsdp_sim.hardware.collectives import ProcessGroup, collective_time
+from fsdp_sim.hardware.costs import NCCL_HBM_TRAFFIC_PER_LINK_BYTE
+from fsdp_sim.hardware.kernels import (ComputeOptions, attention_tflops, gemm_time, kernels_time, memory_efficiency,
+                                       select_sdpa_backend)
+from fsdp_sim.hardware.profiles import load_profile
+from fsdp_sim.workload.kernels import block_kernels
+from fsdp_sim.workload.presets import PRESETS
+
+GiB, MiB = 1 << 30, 1 << 20
+ROWS: list[tuple[str, str, float, float, str]] = []  # component, unit, reference, model, source
+
+
+def row(component: str, unit: str, reference: float, model: float, source: str) -> None:
+    ROWS.append((component, unit, reference, model, source))
+
+
+def gemms() -> None:
+    for profile, (m, n, k), ref, src in [
+        ("h100-sxm", (4096, 4096, 4096), 783.3, "XLA H100 table [C2]"),
+        ("h100-sxm", (256, 4096, 4096), 412.0, "XLA H100 table, small M [C2]"),
+        ("h100-sxm", (4096, 1024, 4096), 738.5, "XLA H100 table, GQA k/v-like [C2]"),
+        ("h100-sxm", (2048, 2048, 13312), 794.5, "MAMF best shape [C1]"),
+        ("a100-80gb", (1024, 10240, 5120), 271.2, "MAMF best shape [C1]"),
+        ("a100-80gb", (8192, 8192, 8192), 271.32, "cuBLAS 8192^3 [C1 2nd]"),
+        ("h100-sxm-96gb", (8192, 8192, 8192), 585.2, "FBGEMM bf16, H100 500 W [C4]"),
+        ("h100-sxm-96gb", (65536, 7168, 8192), 575.1, "FBGEMM bf16, H100 500 W [C4]"),
+        ("h100-sxm-96gb", (65536, 8192, 3584), 546.3, "FBGEMM bf16, H100 500 W [C4]"),
+    ]:
+        gpu = load_profile(profile)
+        t = gemm_time(gpu, m, n, k, "bf16")
+        row(f"GEMM bf16 {m}x{n}x{k} on {profile}", "TFLOPS", ref, 2 * m * n * k / t / 1e12, src)
+    a100 = load_profile("a100-80gb")
+    row("fp32 matmul 10240^3 on a100, TF32 off", "s", 0.11, gemm_time(a100, 10240, 10240, 10240, "fp32"),
+        "PyTorch docs cuda.rst [C6]")
+    row("fp32 matmul 10240^3 on a100, TF32 on", "s", 0.016,
+        gemm_time(a100, 10240, 10240, 10240, "fp32", allow_tf32=True), "PyTorch docs cuda.rst [C6]")
+    h100 = load_profile("h100-sxm")
+    mlp = {f: sum(gemm_time(h100, 8192, n, k, "bf16") for n, k in ((f, 4096), (f, 4096), (4096, f))) for f in (10922, 10944)}
+    row("SwiGLU MLP GEMMs d_ff 10922 / 10944 on h100 (time ratio)", "x", 398.4 / 272.7 * 10922 / 10944,
+        mlp[10922] / mlp[10944], "stas00 SwiGLU width benchmark [C1]")
+
+
+def attention() -> None:
+    a100, h100 = load_profile("a100-80gb"), load_profile("h100-sxm")
+    for gpu, name in ((a100, "a100"), (h100, "h100")):
+        for s, ref in ((2048, (155, 265)), (8192, (182, 308))):
+            fwd, bwd = attention_tflops(gpu, "flash", 128, s, True)
+            row(f"FA2 fwd+bwd causal d128 s={s} on {name}", "TFLOPS", ref[name == "h100"], 3.5 / (1 / fwd + 2.5 / bwd) / 1e12,
+                "flash-attention benchmark figure [C9]")
+    fwd, bwd = attention_tflops(a100, "flash", 128, 8192, False)
+    row("FA2 backward non-causal d128 s=8192 on a100 (fwd+bwd rate)", "TFLOPS", 201, bwd / 1e12, "[C9]")
+    fwd, bwd = attention_tflops(h100, "flash", 128, 8192, False)
+    row("FA2 backward non-causal d128 s=8192 on h100", "TFLOPS", 318, bwd / 1e12, "FA3 paper backward figure [C12]")
+    fwd, bwd = attention_tflops(h100, "cudnn", 128, 4608, False)
+    row("cuDNN SDPA fwd (1, 24, 4608, 128) on h100", "TFLOPS", 631.3, fwd / 1e12, "Tritonbench, pytorch#142132 [C14]")
+    fwd, _ = attention_tflops(h100, select_sdpa_backend("sm90", ComputeOptions(torch_version=(2, 6))), 128, 4608, False)
+    row("default SDPA fwd (1, 24, 4608, 128) on h100, torch 2.6", "TFLOPS", 329.5, fwd / 1e12,
+        "Tritonbench, pytorch#142132 [C14]")
+
+
+def memory_bound() -> None:
+    h100 = load_profile("h100-sxm")
+    for kind, shape, nbytes, ref, src in [
+        ("norm", (4096, 16384), 0, 0.54, "torch.nn.RMSNorm fwd 4096x16384 on H100 [C5]"),
+        ("activation", (8192, 32768), 0, 0.32, "eager silu(a)*b on H100 [C5]"),
+        ("elementwise", (), 126e6, 0.70, "torch.maximum 126 MB on H200 [C18]"),
+        ("cross_entropy", (16384, 131072), 0, 0.41, "HF cross-entropy fwd on A100 [C5]"),
+    ]:
+        row(f"{kind} {shape or f'{nbytes / 1e6:.0f} MB'} fraction of HBM peak", "", ref,
+            memory_efficiency(kind, shape, nbytes, fused=False), src)
+    row("RMSNorm torch.compile 32Kx4K on h100", "GB/s", 2300,
+        memory_efficiency("norm", (32768, 4096), 0, fused=True) * h100.hbm_bandwidth_Bps / 1e9, "Quack figure [C17]")
+
+
+def collectives() -> None:
+    cases = [
+        ("h100-sxm", "all_gather", 16 * GiB, 8, 1, 350e9, "8xH100 AG busbw plateau 350 GB/s [S20e]"),
+        ("h100-sxm", "all_gather", 256 * MiB, 8, 1, 350e9, "8xH100 AG plateau [S20e]; no sourced 256 MiB point (gap)"),
+        ("h200", "all_gather", 16 * GiB, 8, 1, 361.4e9, "8xH200 AG busbw, nccl-tests 16 GiB [S8]"),
+        ("h200", "all_reduce", 256 * MiB, 8, 1, 436.2e9, "8xH200 AR (NVLS) busbw, torch 256 MiB [S8]"),
+        ("a100-80gb", "all_reduce", 256 * MiB, 8, 1, 194.1e9, "8xA100 AR busbw, nccl-tests 256 MiB [S8]"),
+        ("a100-80gb", "all_reduce", 4 * GiB, 16, 2, 192e9, "DGX-A100 8x HDR multi-node AR busbw [S20a]"),
+        ("b200", "all_reduce", 4 * GiB, 32, 4, 377.3e9, "4x8 B200 over 8x400G EFA, AR 4 GiB [S8]"),
+        ("h100-sxm", "all_gather", 2 * GiB, 256, 32, 200e9, "32x8 H100 8x400G RoCE AG 2 GB [C29 nccl#1218]"),
+    ]
+    for profile, kind, size, ranks, nodes, ref, src in cases:
+        fabric = load_profile(profile).fabric
+        t = collective_time(kind, size, ProcessGroup(ranks, nodes), fabric)
+        factor = (2 if kind == "all_reduce" else 1) * (ranks - 1) / ranks
+        row(f"{kind} {size / MiB:.0f} MiB on {nodes}x{ranks // nodes} {profile} (busbw)", "GB/s", ref / 1e9,
+            size * factor / t / 1e9, src)
+    fabric = load_profile("h100-sxm").fabric
+    for ranks, nodes, ref in ((8, 1, 32.2), (64, 8, 296.8), (256, 32, 1204)):
+        row(f"ring AG latency floor, {nodes}x8 H100 (4 B)", "us", ref,
+            collective_time("all_gather", 4 * ranks, ProcessGroup(ranks, nodes), fabric) * 1e6,
+            "NCCL 2.27 tuner, Simple [C27]")
+
+
+def overheads() -> None:
+    h100, a100 = load_profile("h100-sxm"), load_profile("a100-80gb")
+    ks = block_kernels(PRESETS["llama3-8b"], 1, 8192, 2, causal=True)
+    t = kernels_time(h100, ks, "forward", "bf16", ComputeOptions())
+    row("eager kernels per Llama decoder layer, forward", "count", 40, t.launches, "HF eager count [C4.2 est]")
+    t = kernels_time(h100, ks, "backward", "bf16", ComputeOptions())
+    row("eager kernels per Llama decoder layer, backward", "count", 90, t.launches, "[C4.2 est: ~80-100]")
+    # interference: a GEMM beside an all-gather on A100 (the model's SM and HBM shares of a pure GEMM)
+    held = a100.fabric.nccl_channels
+    row("GEMM slowdown beside an NCCL all-gather, A100", "x", 2.08 / 1.18, a100.sm_count / (a100.sm_count - held),
+        "one user's profile, nccl#1428 [C24] (tail effects not modelled)")
+    held = h100.fabric.nccl_channels
+    row("overlapped compute slowdown, average over GPT/LLaMA workloads", "x", 1.189,
+        h100.sm_count / (h100.sm_count - held), "arXiv 2507.03114 [C25] (model: a GEMM on H100 beside one collective)")
+    demand = NCCL_HBM_TRAFFIC_PER_LINK_BYTE * 350e9
+    row("memory-bound kernel slowdown beside an 8xH100 all-gather", "x", float("nan"),
+        1 + demand / h100.hbm_bandwidth_Bps, "no measurement found (component-timing §5.2 gap)")
+
+
+def main() -> None:
+    for part in (gemms, attention, memory_bound, collectives, overheads):
+        part()
+    print(f"{'component':<66}{'unit':>7}{'reference':>11}{'model':>10}{'model/ref':>10}  source")
+    for component, unit, ref, model, src in ROWS:
+        ratio = model / ref if ref == ref and ref else float("nan")
+        print(f"{component:<66}{unit:>7}{ref:>11.4g}{model:>10.4g}{ratio:>10.2f}  {src}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Price the compute-stream ops of a step: GPU time by kernel class, and the CPU issue thread's cost.
+
+A module's op carries its `Kernel`s (see `kernels.py` for their prices); an op priced only by FLOPs and
+bytes (a traced workload, an FSDP copy, the optimizer's foreach passes) runs its FLOPs at the GPU's
+large-GEMM rate and its bytes at the eager elementwise efficiency for their size. A profiler-measured
+module time (`compute: {trace: ...}`) replaces the estimate; it is billed as matmul time.
+"""
+
+from __future__ import annotations
+
+from fsdp_sim.hardware.kernels import ComputeOptions, KernelTimes, elementwise_time, gemm_rate, kernels_time, launch_cost_s
+from fsdp_sim.schedule.ops import COLLECTIVES, Op
+
+
+class ComputeCosts:
+    """`times(op)` (GPU seconds by class), `duration(op)` and `host_s(op)` for one GPU, compute dtype and options."""
+
+    def __init__(self, gpu, dtype: str, options: ComputeOptions) -> None:
+        self.gpu, self.dtype, self.options = gpu, dtype, options
+        self.matmul_flops = gemm_rate(gpu, dtype, options.allow_tf32)
+        self._cache: dict[tuple, KernelTimes] = {}
+
+    def times(self, op: Op) -> KernelTimes:
+        # ops of identical content (every block's forward) share one pricing
+        key = (op.kind, op.kernel_pass, op.flops, op.hbm_bytes, op.measured_s, op.launches, id(op.kernels))
+        t = self._cache.get(key)
+        if t is None:
+            t = self._cache[key] = self._price(op)
+        return t
+
+    def _price(self, op: Op) -> KernelTimes:
+        if op.measured_s is not None:
+            return KernelTimes(matmul=op.measured_s, launches=max(1, op.launches))
+        if op.kernels:
+            return kernels_time(self.gpu, op.kernels, op.kernel_pass, self.dtype, self.options)
+        return KernelTimes(matmul=op.flops / self.matmul_flops, memory=elementwise_time(self.gpu, op.hbm_bytes),
+                           launches=op.launches)
+
+    def duration(self, op: Op) -> float:
+        return self.times(op).total
+
+    def host_s(self, op: Op) -> float:
+        """The CPU issue thread's time for op: its kernel launches (a collective is one launch)."""
+        kind = op.kind
+        if kind == "alloc" or kind == "free":
+            return 0.0
+        backward = op.phase.startswith("backward")
+        launches = 1 if kind in COLLECTIVES else self.times(op).launches
+        return launches * launch_cost_s(backward, self.options)

@@ -1,0 +1,134 @@
+"""The kernel cost model against the measurements it is built from, and the direction of every effect.
+
+Closed forms where they exist: a GEMM at a shape XLA measured runs at the measured rate (scaled by the
+profile's MAMF); TF32 moves an fp32 GEMM by the profile's tf32/fp32 ratio; attention at a tabulated
+sequence length runs at the tabulated throughput; an eager memory-bound kernel at its measured fraction of
+HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from fsdp_sim.hardware import kernel_data as kd
+from fsdp_sim.hardware.kernels import (ComputeOptions, attention_tflops, gemm_shape_factor, gemm_time, kernels_time,
+                                       memory_efficiency, select_sdpa_backend)
+from fsdp_sim.hardware.profiles import load_profile
+from fsdp_sim.workload.kernels import block_kernels
+from fsdp_sim.workload.model import Kernel
+from fsdp_sim.workload.presets import PRESETS
+
+H100, A100 = load_profile("h100-sxm"), load_profile("a100-80gb")
+
+
+@pytest.mark.parametrize("row", kd.H100_GEMM_TABLE)
+def test_gemm_at_a_measured_shape_runs_at_the_measured_rate(row):
+    """On H100 the shape factor is the table's own value relative to its best (waves cancel on 132 SMs)."""
+    m, n, k, bf16, _ = row
+    assert gemm_shape_factor(m, n, k, 132, 2) == pytest.approx(bf16 / max(r[3] for r in kd.H100_GEMM_TABLE))
+
+
+def test_small_and_narrow_gemms_are_slower_per_flop():
+    big = 2 * 8192 * 4096 * 4096 / gemm_time(H100, 8192, 4096, 4096, "bf16")
+    assert 2 * 256 * 4096 * 4096 / gemm_time(H100, 256, 4096, 4096, "bf16") < 0.6 * big  # small M
+    assert 2 * 8192 * 512 * 4096 / gemm_time(H100, 8192, 512, 4096, "bf16") < big  # narrow GQA k/v projection
+    assert 2 * 4096 * 4096 * 256 / gemm_time(H100, 4096, 4096, 256, "bf16") < 0.6 * big  # short K
+    # a dimension off the 128-byte grid loses tensor-core efficiency [C1]
+    assert gemm_time(H100, 8192, 10922, 4096, "bf16") / 10922 > 1.3 * gemm_time(H100, 8192, 10944, 4096, "bf16") / 10944
+
+
+def test_large_gemm_reaches_the_profiles_mamf():
+    rate = 2 * 16384 * 4096 * 4096 / gemm_time(H100, 16384, 4096, 4096, "bf16")
+    assert rate == pytest.approx(H100.flops("bf16") * H100.matmul_efficiency * 793.1 / 808.7, rel=1e-3)
+
+
+@pytest.mark.parametrize("profile", ["a100-80gb", "h100-sxm"])
+def test_tf32_moves_an_fp32_gemm_by_the_profiles_ratio(profile):
+    """fp32 matmuls run at the fp32 rate unless TF32 is allowed (PyTorch's default is off)."""
+    gpu = load_profile(profile)
+    off, on = gemm_time(gpu, 8192, 8192, 8192, "fp32"), gemm_time(gpu, 8192, 8192, 8192, "fp32", allow_tf32=True)
+    expected = gpu.flops("tf32") * kd.TF32_EFFICIENCY[gpu.arch] / (gpu.flops("fp32") * kd.FP32_EFFICIENCY)
+    assert off / on == pytest.approx(expected)
+
+
+def test_a100_fp32_matches_pytorchs_tf32_example():
+    """PyTorch's docs (cuda.rst): 10240^3 fp32 matmul on GA100, 0.11 s without TF32, 0.016 s with it [C6]."""
+    assert gemm_time(A100, 10240, 10240, 10240, "fp32") == pytest.approx(0.11, rel=0.05)
+    assert gemm_time(A100, 10240, 10240, 10240, "fp32", allow_tf32=True) == pytest.approx(0.016, rel=0.05)
+
+
+@pytest.mark.parametrize("version, arch, backend", [
+    ("2.13", "sm90", "cudnn"), ("2.13", "sm80", "flash"), ("2.8", "sm90", "flash"), ("2.5.1", "sm90", "flash"),
+    ("2.5.0", "sm90", "cudnn"), ("2.9", "sm100", "cudnn"),
+])
+def test_sdpa_backend_follows_the_torch_version(version, arch, backend):
+    options = ComputeOptions(torch_version=tuple(int(p) for p in version.split(".")))
+    assert select_sdpa_backend(arch, options) == backend
+
+
+def test_attention_runs_at_the_tabulated_throughput():
+    """FA2 on A100, causal d128 at 8k: 182 TFLOPS fwd+bwd [C9]; on H100 FA2 fwd 333, fwd+bwd 308 [C9]."""
+    assert attention_tflops(A100, "flash", 128, 8192, True) == pytest.approx((182e12, 182e12))
+    fwd, bwd = attention_tflops(H100, "flash", 128, 8192, True)
+    assert fwd == pytest.approx(333e12)
+    assert 3.5 / (1 / fwd + 2.5 / bwd) == pytest.approx(308e12)  # the fwd+bwd figure is reproduced
+    assert attention_tflops(H100, "cudnn", 128, 8192, False) == pytest.approx((600e12, 518e12))
+
+
+def test_causal_attention_does_half_the_work_in_kernel_time():
+    causal = Kernel("a", "attention", (1, 32, 8192, 128), causal=True)
+    full = Kernel("a", "attention", (1, 32, 8192, 128), causal=False)
+    t_causal = kernels_time(H100, (causal,), "forward", "bf16", ComputeOptions()).attention
+    t_full = kernels_time(H100, (full,), "forward", "bf16", ComputeOptions()).attention
+    assert 0.5 < t_causal / t_full < 0.75  # half the FLOPs, at a somewhat lower throughput
+
+
+def test_attention_backward_is_2_5x_its_forward_flops():
+    k = Kernel("a", "attention", (2, 16, 4096, 128), causal=True)
+    assert k.bwd_flops == 2.5 * k.fwd_flops
+
+
+def test_memory_bound_kernels_at_their_measured_efficiency():
+    assert memory_efficiency("norm", (8192, 4096), 0, fused=False) == pytest.approx(0.62)
+    assert memory_efficiency("activation", (8192, 32768), 0, fused=False) == pytest.approx(0.32)
+    assert memory_efficiency("elementwise", (), 63e6, fused=False) == pytest.approx(0.58)
+    # torch.compile's fused kernels reach more of HBM
+    for kind in ("norm", "norm_unfused", "rope", "activation", "cross_entropy"):
+        assert memory_efficiency(kind, (8192, 4096), 1e8, fused=True) > memory_efficiency(kind, (8192, 4096), 1e8, fused=False)
+
+
+def test_swiglu_recompute_stops_before_w2():
+    """Non-reentrant checkpointing stops at the block's last saved tensor: w2 is not recomputed."""
+    ks = block_kernels(PRESETS["llama3-8b"], 1, 4096, 2, causal=True)
+    opts = ComputeOptions()
+    fwd, rec = kernels_time(H100, ks, "forward", "bf16", opts), kernels_time(H100, ks, "recompute", "bf16", opts)
+    w2 = gemm_time(H100, 4096, 4096, 14336, "bf16")
+    assert fwd.matmul - rec.matmul == pytest.approx(w2)
+    assert rec.launches < fwd.launches
+
+
+def test_torch_compile_cuts_launches_and_memory_time():
+    ks = block_kernels(PRESETS["llama3-8b"], 1, 2048, 2, causal=True)
+    eager = kernels_time(H100, ks, "forward", "bf16", ComputeOptions())
+    compiled = kernels_time(H100, ks, "forward", "bf16", ComputeOptions(torch_compile=True))
+    assert compiled.launches < eager.launches and compiled.memory < eager.memory
+    assert compiled.matmul == eager.matmul and compiled.attention == eager.attention
+
+
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, 1 << 17), n=st.integers(1, 1 << 17), k=st.integers(1, 1 << 17),
+       profile=st.sampled_from(["a100-80gb", "h100-sxm", "b200", "l40s", "mi300x", "rtx-4090"]))
+def test_no_gemm_beats_the_peak(m, n, k, profile):
+    """The time model never runs a matmul faster than its dtype's peak (so MFU cannot pass 1)."""
+    gpu = load_profile(profile)
+    assert 2 * m * n * k / gemm_time(gpu, m, n, k, "bf16") <= gpu.flops("bf16") * (1 + 1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(s=st.integers(64, 1 << 16), d=st.sampled_from([32, 64, 80, 96, 128, 256]), causal=st.booleans(),
+       backend=st.sampled_from(["flash", "cudnn"]), profile=st.sampled_from(["a100-80gb", "h100-sxm", "b200", "mi300x"]))
+def test_no_attention_kernel_beats_the_peak(s, d, causal, backend, profile):
+    gpu = load_profile(profile)
+    fwd, bwd = attention_tflops(gpu, backend, d, s, causal)
+    assert 0 < fwd <= gpu.flops("bf16") and 0 < bwd <= gpu.flops("bf16")
