@@ -97,13 +97,14 @@ def _sweep(args: argparse.Namespace) -> int:
             writer.writerows(rows)
             _write(args.output, out.getvalue())
     if not args.quiet:
-        print("  ".join(f"{k:>20}" for k in keys) + f"{'step time':>12}{'peak alloc':>12}{'required':>12}  fits")
+        print("  ".join(f"{k:>20}" for k in keys) + f"{'step time':>12}{'tok/s/GPU':>11}{'peak alloc':>12}{'required':>12}  fits")
         for row in rows:
             swept = "  ".join(f"{str(row[k]):>20}" for k in keys)
             if row["error"]:
                 print(f"{swept}  error: {row['error']}")
             else:
-                print(f"{swept}{fmt_time(row['step_time_s']):>12}{fmt_bytes(row['peak_allocated_bytes']):>12}"
+                print(f"{swept}{fmt_time(row['step_time_s']):>12}{row['tokens_per_s_per_gpu']:>11.0f}"
+                      f"{fmt_bytes(row['peak_allocated_bytes']):>12}"
                       f"{fmt_bytes(row['required_bytes']):>12}  {'yes' if row['fits'] else 'no'}")
     return 0
 

@@ -20,8 +20,9 @@ from fsdp_sim.errors import ScenarioError
 from fsdp_sim.scenario import parse_scenario
 from fsdp_sim.simulate import simulate
 
-COLUMNS = ("step_time_s", "peak_allocated_bytes", "peak_reserved_bytes", "required_bytes", "fits",
-           "headroom_bytes", "communication_exposed_s", "overlap_fraction", "mfu", "peak_phase", "error")
+COLUMNS = ("step_time_s", "tokens_per_s_per_gpu", "tokens_per_step", "peak_allocated_bytes", "peak_reserved_bytes",
+           "required_bytes", "fits", "headroom_bytes", "communication_exposed_s", "overlap_fraction", "mfu",
+           "cpu_bound_s", "peak_phase", "error")
 
 
 def parse_assignment(text: str) -> tuple[str, list[Any]]:
@@ -66,12 +67,13 @@ def run_point(data: dict, base: Path) -> dict:
         d = simulate(parse_scenario(data, name="sweep", base=base)).to_dict()
     except ScenarioError as exc:
         return {"error": str(exc)}
-    return {"step_time_s": d["step_time_s"], "peak_allocated_bytes": d["peak"]["allocated_bytes"],
+    return {"step_time_s": d["step_time_s"], "tokens_per_s_per_gpu": d["throughput"]["tokens_per_s_per_gpu"],
+            "tokens_per_step": d["throughput"]["tokens_per_step"], "peak_allocated_bytes": d["peak"]["allocated_bytes"],
             "peak_reserved_bytes": d["peak"]["reserved_bytes"], "required_bytes": d["memory"]["required_bytes"],
             "fits": d["memory"]["fits"], "headroom_bytes": d["memory"]["headroom_bytes"],
             "communication_exposed_s": d["communication"]["exposed_s"],
             "overlap_fraction": d["communication"]["overlap_fraction"], "mfu": d["compute"]["mfu"],
-            "peak_phase": d["peak"]["phase"], "error": ""}
+            "cpu_bound_s": d["compute"]["breakdown"]["cpu_bound_s"], "peak_phase": d["peak"]["phase"], "error": ""}
 
 
 def sweep(path: str, assignments: list[str], *, jobs: int | None = None) -> tuple[list[str], list[dict]]:
