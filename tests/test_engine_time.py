@@ -4,6 +4,7 @@ other, and the end-to-end directions they give a simulated step (CPU-bound small
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from fsdp_sim.engine import play
 from fsdp_sim.scenario import parse_scenario
@@ -94,3 +95,33 @@ def test_overlapped_compute_and_collectives_both_slow():
     slower = [op for op in r.graph.ops if op.kind == "all_gather"
               and r.timing.end[op.id] - r.timing.start[op.id] > costs.duration(op) * (1 + 1e-9)]
     assert slower, "no all-gather was slowed by the compute it overlapped"
+
+
+@settings(max_examples=15, deadline=None)
+@given(hidden=st.sampled_from([256, 1024, 4096]), seq=st.sampled_from([128, 2048, 16384]),
+       profile=st.sampled_from(["a100-80gb", "h100-sxm", "b200", "mi300x", "rtx-4090"]),
+       dtype=st.sampled_from(["bf16", "fp32"]), tf32=st.booleans(), compiled=st.booleans())
+def test_mfu_never_exceeds_one(hidden, seq, profile, dtype, tf32, compiled):
+    """Numerator and time model count the same FLOPs and no kernel beats its peak, so MFU <= 1."""
+    sc = parse_scenario({"model": {"hidden": hidden, "layers": 2, "heads": 8, "vocab": 32000},
+                         "training": {"seq_len": seq}, "hardware": {"profile": profile, "gpus_per_node": 2},
+                         "fsdp": {"mixed_precision": {"param_dtype": dtype}},
+                         "compute": {"allow_tf32": tf32, "torch_compile": compiled}})
+    mfu = simulate(sc).compute()["mfu"]
+    assert 0 < mfu <= 1
+
+
+def test_two_collectives_of_different_groups_share_the_nic():
+    """HSDP with shard groups spanning two nodes: a reduce-scatter and a replicate all-reduce in flight
+    together both cross the NICs, so each runs at least 1.5x slower than alone (two shares of the link)."""
+    from fsdp_sim.hardware.costs import OpCosts
+    sc = parse_scenario({"model": TINY, "hardware": {"profile": "a100-80gb", "nodes": 4},
+                         "fsdp": {"sharding_strategy": "HYBRID_SHARD", "shard_size": 16}})
+    s = sc.settings
+    costs = OpCosts(sc.cluster, shard_size=s.shard_size, replicate_size=s.replicate_size, compute_dtype=s.param_dtype,
+                    options=sc.compute)
+    g = OpGraph()
+    rs = g.add("reduce_scatter", "reduce_scatter", "rs", comm_bytes=1 << 30, group="shard")
+    ar = g.add("all_reduce", "all_reduce", "ar", comm_bytes=1 << 26, group="replicate")
+    assert costs.slowdown(rs, [rs, ar]) >= 1.5 and costs.slowdown(ar, [rs, ar]) >= 1.5
+    assert costs.slowdown(rs, [rs]) == 1.0

@@ -145,14 +145,14 @@ def _fwd_bwd_tflops(backend: str, table_arch: str, d: int, s: int, causal: bool)
     return fb, fb
 
 
-def attention_tflops(gpu, backend: str, d: int, s: int, causal: bool) -> tuple[float, float]:
-    """(forward, backward) FLOP/s of an attention kernel on `gpu`; a GPU without its own table runs at the
-    fraction of peak of the nearest measured one (sm90 tables for Hopper/Blackwell, sm80 for the rest)."""
+def attention_tflops(gpu, backend: str, d: int, s: int, causal: bool, peak: float | None = None) -> tuple[float, float]:
+    """(forward, backward) FLOP/s of an attention kernel on `gpu`, at the fraction of the 16-bit peak its
+    table measured (sm90 tables for Hopper/Blackwell, sm80 for the rest) times `peak`, the peak of the
+    dtype it runs in (default: this GPU's bf16 peak, which makes a GPU's own table exact)."""
     table_arch = "sm90" if gpu.arch in ("sm90", "sm100") or backend == "cudnn" else "sm80"
     fwd, bwd = _fwd_bwd_tflops(backend, table_arch, d, s, causal)
-    scale = 1e12
-    if gpu.arch != table_arch:
-        scale *= gpu.flops("bf16") / (kd.H100_BF16_PEAK if table_arch == "sm90" else kd.A100_BF16_PEAK)
+    table_peak = kd.H100_BF16_PEAK if table_arch == "sm90" else kd.A100_BF16_PEAK
+    scale = 1e12 * (gpu.flops("bf16") if peak is None else peak) / table_peak
     return fwd * scale, bwd * scale
 
 
@@ -205,7 +205,11 @@ def kernels_time(gpu, kernels: tuple[Kernel, ...], pass_: str, dtype: str, optio
             out.launches += k.bwd_launches if backward else k.launches
         elif k.kind in ("attention", "attention_eager"):
             b, h, s, d = k.shape
-            fwd, bwd = attention_tflops(gpu, "eager" if k.kind == "attention_eager" else backend, d, s, k.causal)
+            if dtype == "fp32":  # flash and cuDNN take 16-bit inputs only: SDPA falls back to its math path,
+                # assumed to run at the standard-attention fraction of the fp32 matmul peak
+                fwd, bwd = attention_tflops(gpu, "eager", d, s, k.causal, gpu.matmul_peak("fp32", options.allow_tf32))
+            else:
+                fwd, bwd = attention_tflops(gpu, "eager" if k.kind == "attention_eager" else backend, d, s, k.causal)
             flops = 4.0 * b * h * s * s * d * (0.5 if k.causal else 1.0)  # as the tables count them
             out.attention += 2.5 * flops / bwd if backward else flops / fwd
             out.launches += k.bwd_launches if backward else k.launches
