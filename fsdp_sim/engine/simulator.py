@@ -61,7 +61,10 @@ class _Device:
         self.running[op.id] = [op, work, 1.0, done]
         if op.kind in COLLECTIVES:
             self.collectives += 1
-        self._rerate()
+        if self.collectives or self.contended:
+            self._rerate()
+        elif self.wake_op not in self.running or self.env.now + work < self.wake_at:
+            self._schedule(work, op.id)  # uncontended: only whether this op ends first matters
         return done
 
     def _advance(self) -> None:
@@ -93,12 +96,16 @@ class _Device:
                 soonest, first = r[1] * r[2], i
         if first < 0:
             return
-        at = self.env.now + max(soonest, 0.0)
-        if not changed and self.wake_op in running and at >= self.wake_at:
+        if not changed and self.wake_op in running and self.env.now + soonest >= self.wake_at:
             return  # no rate moved and nothing ends sooner: the pending wake-up still holds
+        self._schedule(soonest, first)
+
+    def _schedule(self, delay: float, first: int) -> None:
+        """Wake up after `delay` to complete op `first`; any earlier pending wake-up goes stale."""
+        delay = max(delay, 0.0)
         self.generation += 1
-        self.wake_at, self.wake_op = at, first
-        wake = self.env.timeout(max(soonest, 0.0))
+        self.wake_at, self.wake_op = self.env.now + delay, first
+        wake = self.env.timeout(delay)
         wake.callbacks.append(lambda _e, g=self.generation, i=first: self._wake(g, i))
 
     def _wake(self, generation: int, first: int) -> None:
