@@ -26,7 +26,7 @@ def simulate(scenario: Scenario) -> StepResult:
                         compute_dtype=s.param_dtype, options=scenario.compute)
         timing = play(graph.ops, costs.duration, host_s=costs.host_s, slowdown=costs.slowdown)
         memory = replay(graph.ops, graph.persistent, timing.start)
-        return StepResult(scenario, graph, timing, memory, costs.times)
+        return StepResult(scenario, graph, timing, memory, costs.times, costs.duration)
     finally:
         if paused:
             gc.enable()

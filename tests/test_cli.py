@@ -139,8 +139,11 @@ def test_json_has_documented_keys(happy):
 def test_trace_is_chrome_trace_in_microseconds(happy):
     _, _, _, tmp, result = happy
     events = json.loads((tmp / "t.json").read_text())["traceEvents"]
-    spans = [e for e in events if e["ph"] == "X"]
+    spans = [e for e in events if e["ph"] == "X" and e["cat"] != "cpu"]
     assert len(spans) == sum(op.kind not in ("alloc", "free") for op in result.graph.ops)
+    assert all(e["dur"] >= e["args"]["alone_us"] * (1 - 1e-9) for e in spans)  # overlap only slows
+    launches = [e for e in events if e["ph"] == "X" and e["cat"] == "cpu"]
+    assert launches and sum(e["dur"] for e in launches) == pytest.approx(result.timing.issued[-1] * 1e6)
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
     assert max(e["ts"] + e["dur"] for e in spans) == pytest.approx(result.step_time_s * 1e6, rel=1e-9)
     threads = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}

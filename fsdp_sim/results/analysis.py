@@ -53,7 +53,8 @@ class StepResult:
     graph: OpGraph
     timing: Timing
     memory: MemoryTrace
-    alone_s: Callable[[Op], KernelTimes]  # an op's GPU time by class when it runs alone (no interference)
+    alone_s: Callable[[Op], KernelTimes]  # a compute-stream op's GPU time by class when it runs alone
+    alone_duration: Callable[[Op], float]  # any timed op's duration alone (no interference)
     _activity_cache: tuple | None = field(default=None, init=False, repr=False)
 
     # ---- time ------------------------------------------------------------------------

@@ -14,19 +14,26 @@ TRACE_STREAMS = ("compute", "all_gather_copy_in", "all_gather", "reduce_scatter"
 
 
 def chrome_trace(result: StepResult, rank: int = 0) -> dict:
-    """Trace Event Format (microseconds): a process per rank, a thread per stream, memory counters."""
+    """Trace Event Format (microseconds): a process per rank, a thread per stream plus the CPU issue thread
+    (each op's launch cost, ending when the op is issued), memory counters. A slice's args give the op's
+    time alone (`alone_us`): a slice longer than that was slowed by what ran beside it."""
     pid = rank
     events: list[dict] = [{"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"rank {rank} (simulated)"}}]
-    streams = list(TRACE_STREAMS) + sorted({op.stream for op in result.graph.ops} - set(TRACE_STREAMS))
+    streams = ["cpu"] + list(TRACE_STREAMS) + sorted({op.stream for op in result.graph.ops} - set(TRACE_STREAMS))
     tid = {name: i for i, name in enumerate(streams)}
     for name, i in tid.items():
         events.append({"ph": "M", "pid": pid, "tid": i, "name": "thread_name", "args": {"name": name}})
         events.append({"ph": "M", "pid": pid, "tid": i, "name": "thread_sort_index", "args": {"sort_index": i}})
-    start, end = result.timing.start, result.timing.end
+    start, end, issued = result.timing.start, result.timing.end, result.timing.issued
+    previous_issue = 0.0
     for op in result.graph.ops:
         if op.kind in ("alloc", "free"):
             continue
-        args = {"unit": op.unit, "phase": op.phase, "kind": op.kind}
+        if issued[op.id] > previous_issue:
+            events.append({"ph": "X", "pid": pid, "tid": tid["cpu"], "name": f"launch {op.name}", "cat": "cpu",
+                           "ts": previous_issue * 1e6, "dur": (float(issued[op.id]) - previous_issue) * 1e6})
+            previous_issue = float(issued[op.id])
+        args = {"unit": op.unit, "phase": op.phase, "kind": op.kind, "alone_us": result.alone_duration(op) * 1e6}
         if op.comm_bytes:
             args["bytes"] = int(op.comm_bytes)
         if op.flops:
