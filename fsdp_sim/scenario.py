@@ -18,7 +18,8 @@ from fsdp_sim.errors import ScenarioError
 from fsdp_sim.hardware.fabric import NETWORK_SCALARS, Network, check_network_value
 from fsdp_sim.hardware.kernels import SDPA_BACKENDS, ComputeOptions
 from fsdp_sim.hardware.profiles import Cluster, load_profile
-from fsdp_sim.schedule.settings import OPTIMIZER_STATES, FSDPSettings
+from fsdp_sim.schedule.optimizers import IMPLEMENTATIONS, OPTIMIZERS
+from fsdp_sim.schedule.settings import FSDPSettings
 from fsdp_sim.workload import PRESETS, TransformerDims, Workload, build_transformer
 from fsdp_sim.workload.profile_trace import apply_profile_trace
 from fsdp_sim.wrap import POLICIES, Unit, make_units
@@ -170,7 +171,7 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
 
     training = _expect("training", data.get("training"))
     reject_unknown_keys("training", training, {"micro_batch", "seq_len", "grad_accumulation", "optimizer",
-                                       "activation_checkpointing"})
+                                       "activation_checkpointing", "optimizer_impl", "momentum"})
     if isinstance(data["model"], dict) and "workload" in data["model"]:
         for key in ("micro_batch", "seq_len"):
             if key in training:
@@ -178,7 +179,14 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     micro_batch = _get("training", training, "micro_batch", int, 1, positive=True)
     seq_len = _get("training", training, "seq_len", int, 2048, positive=True)
     grad_accumulation = _get("training", training, "grad_accumulation", int, 1, positive=True)
-    optimizer = _get("training", training, "optimizer", str, "adamw", choices=tuple(OPTIMIZER_STATES))
+    optimizer = _get("training", training, "optimizer", str, "adamw", choices=OPTIMIZERS)
+    optimizer_impl = _get("training", training, "optimizer_impl", str, "foreach", choices=IMPLEMENTATIONS)
+    momentum = _get("training", training, "momentum", bool, True)
+    if "momentum" in training and optimizer != "sgd":
+        raise ScenarioError(f"training.momentum: only SGD takes it (Adam's moments are always kept), got optimizer {optimizer}")
+    if optimizer_impl == "fused" and optimizer == "sgd":
+        raise ScenarioError("training.optimizer_impl: fused SGD does not run on FSDP2's sharded DTensor parameters; "
+                            "use foreach or for_loop")
     ac = _get("training", training, "activation_checkpointing", str, "none", choices=("none", "full"))
 
     hardware = _expect("hardware", data.get("hardware"))
@@ -238,6 +246,7 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     units = make_units(workload, wrap, k=k, min_params=min_params)
     settings = FSDPSettings(shard_size=shard_size, replicate_size=world // shard_size, reshard_after_forward=reshard,
                             param_dtype=param_dtype, reduce_dtype=reduce_dtype, optimizer=optimizer,
+                            optimizer_impl=optimizer_impl, momentum=momentum,
                             activation_checkpointing=ac == "full", backward_prefetch=backward_prefetch,
                             reshard_last_unit=reshard_last_block,
                             grad_accumulation=grad_accumulation, requires_gradient_sync=requires_gradient_sync)

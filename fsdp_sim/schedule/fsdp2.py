@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from fsdp_sim.dtypes import itemsize
 from fsdp_sim.schedule.ops import Buffer, Op, OpGraph
-from fsdp_sim.schedule.settings import (FOREACH_ELEMENTS_PER_LAUNCH, OPTIMIZER_STATES, OPTIMIZER_STEP_PASSES,
-                                        OPTIMIZER_STEP_TEMPS, OPTIMIZER_STEP_TRAFFIC, FSDPSettings)
+from fsdp_sim.schedule.optimizers import states_per_param, step_cost
+from fsdp_sim.schedule.settings import FSDPSettings
 from fsdp_sim.workload.model import Module, Workload
 from fsdp_sim.wrap import Unit
 
@@ -122,9 +122,9 @@ class FSDP2Runtime:
             if u.params:
                 g.persistent_alloc(f"{u.name} sharded params", "sharded_params", self.shard[u.name] * s.storage_bytes)
             trainable = self.trainable_shard[u.name]
-            if trainable and OPTIMIZER_STATES[s.optimizer]:
-                g.persistent_alloc(f"{u.name} {s.optimizer} states", "optimizer_states",
-                                   OPTIMIZER_STATES[s.optimizer] * trainable * 4)
+            states = states_per_param(s.optimizer, s.momentum)
+            if trainable and states:
+                g.persistent_alloc(f"{u.name} {s.optimizer} states", "optimizer_states", states * trainable * 4)
 
     # ---- hooks (FSDPParamGroup) ---------------------------------------------------------
     def pre_forward(self, u: Unit) -> None:
@@ -425,16 +425,16 @@ class FSDP2Runtime:
 
     # ---- optimizer ------------------------------------------------------------------------------
     def optimizer_step(self, last_reduce: Op | None) -> None:
-        """foreach optimizer step on the sharded fp32 parameters, then zero_grad(set_to_none=True)."""
+        """The optimizer step on the sharded fp32 parameters (see `optimizers.py`), then
+        zero_grad(set_to_none=True)."""
         g, s = self.g, self.s
         g.phase, g.unit = "optimizer", ""
-        numel = sum(self.trainable_shard.values())
-        temps = OPTIMIZER_STEP_TEMPS[s.optimizer] * numel * 4
-        temp = g.alloc(COMPUTE, f"{s.optimizer}.step temporaries", "optimizer_states", temps, deps=(last_reduce,)) if temps else None
-        # one multi_tensor_apply launch per pass per FOREACH_ELEMENTS_PER_LAUNCH elements
-        launches = OPTIMIZER_STEP_PASSES[s.optimizer] * max(1, -(-numel // FOREACH_ELEMENTS_PER_LAUNCH))
-        g.add("compute", COMPUTE, f"{s.optimizer}.step", deps=(last_reduce,), hbm_bytes=OPTIMIZER_STEP_TRAFFIC[s.optimizer] * numel,
-              launches=launches)
+        shards = [p.padded_shard_numel(s.shard_size) for u in self.units for p in u.params if p.trainable]
+        cost = step_cost(s.optimizer, s.optimizer_impl, s.momentum, shards)
+        temp = g.alloc(COMPUTE, f"{s.optimizer}.step temporaries", "optimizer_states", cost.temp_bytes,
+                       deps=(last_reduce,)) if cost.temp_bytes else None
+        g.add("compute", COMPUTE, f"{s.optimizer}.step", deps=(last_reduce,), hbm_bytes=cost.traffic_bytes,
+              launches=cost.launches)
         if temp is not None:
             g.free(COMPUTE, temp)
         for buf in self.sharded_grads.values():

@@ -6,23 +6,6 @@ from dataclasses import dataclass, field
 
 from fsdp_sim.dtypes import itemsize
 
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}  # fp32 tensors per parameter (exp_avg, exp_avg_sq | momentum)
-# foreach optimizers allocate shard-sized temporaries inside step(): Adam(W) builds sqrt(exp_avg_sq)
-# (torch/optim/adam.py _multi_tensor_adam); SGD with momentum updates in place.
-OPTIMIZER_STEP_TEMPS = {"adamw": 1, "adam": 1, "sgd": 0}
-# The foreach step's passes over the fp32 shards and its HBM traffic per element (torch 2.13
-# optim/adam.py `_multi_tensor_adam`, non-capturable): AdamW's mul_(params) (decoupled weight decay, 8 B),
-# lerp_(exp_avg, grad) 12, mul_(exp_avg_sq) 8, addcmul_ 12, sqrt 8, div_ 8, add_(eps) 8, addcdiv_(params) 16:
-# 8 passes, 80 bytes; Adam (weight_decay 0 by default) skips the first. optim/sgd.py `_multi_tensor_sgd` with
-# momentum: mul_(bufs) 8, add_(bufs, grads) 12, add_(params, bufs) 12.
-# multi_tensor_apply (foreach optimizers): one launch covers at most depth_to_max_blocks chunks of
-# kChunkSize elements: 2240 x 65536 in CUDA >= 13 builds (320 before), torch 2.13's
-# ATen/native/cuda/MultiTensorApply.cuh
-FOREACH_ELEMENTS_PER_LAUNCH = 2240 * 65536
-OPTIMIZER_STEP_PASSES = {"adamw": 8, "adam": 7, "sgd": 3}
-OPTIMIZER_STEP_TRAFFIC = {"adamw": 80, "adam": 72, "sgd": 32}
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FSDPSettings:
     """A (replicate x shard) device mesh and the per-unit FSDP2 options.
@@ -46,6 +29,8 @@ class FSDPSettings:
     reduce_dtype: str = "fp32"
     storage_dtype: str = "fp32"
     optimizer: str = "adamw"
+    optimizer_impl: str = "foreach"  # foreach | for_loop | fused (torch.optim's foreach= / fused=)
+    momentum: bool = True  # SGD only: a momentum buffer per parameter
     activation_checkpointing: bool = False
     backward_prefetch: bool = True
     reshard_last_unit: bool = True
