@@ -19,6 +19,7 @@ from fsdp_sim.torch_tools.reference_model import ReferenceConfig, ReferenceTrans
 from fsdp_sim.torch_tools.trace import find_units, trace_module  # noqa: E402
 from fsdp_sim.workload import TransformerDims, build_transformer  # noqa: E402
 from fsdp_sim.workload.io import load_workload, save_workload  # noqa: E402
+from fsdp_sim.workload.kernels import block_kernels  # noqa: E402
 from fsdp_sim.workload.transformer import block_activations  # noqa: E402
 
 TINY = dict(hidden=64, layers=2, heads=4, kv_heads=4, ffn_hidden=172, vocab=256)
@@ -152,6 +153,45 @@ def test_other_modules_and_loss():
     assert head.fwd_hbm_bytes == 0 and norm.fwd_hbm_bytes > 0 and wl.modules[1].fwd_hbm_bytes > 0
     assert loss.saved_bytes >= tok * v * 4  # the fp32 log-softmax output
     assert not loss.saves_input and loss.fwd_temp_bytes == tok * v * 4  # the fp32 cast of the logits
+
+
+@pytest.mark.parametrize("over", [{"kv_heads": 2}, {"mlp": "gelu", "norm": "layernorm", "bias": True}])
+def test_traced_block_kernels_match_block_kernels(over):
+    """The kernels a traced block dispatches: block_kernels' GEMMs and attention, fused norms, one kernel per op."""
+    _, wl = _trace(**over)
+    analytic = block_kernels(_dims(**over), B, S, 2, causal=True)
+    for block in (m for m in wl.modules if m.is_block):
+        ks = block.kernels
+        assert [k.shape for k in ks if k.kind == "gemm"] == [k.shape for k in analytic if k.kind == "gemm"]
+        assert [k.name for k in ks if k.kind == "gemm"][:2] == ["attention.wq: " + ("addmm" if over.get("bias") else "mm"),
+                                                              "attention.wk: " + ("addmm" if over.get("bias") else "mm")]
+        assert [(k.shape, k.causal) for k in ks if k.kind == "attention"] == [((B, TINY["heads"], S, 16), True)]
+        assert [k.shape for k in ks if k.kind == "norm"] == [(B * S, TINY["hidden"])] * 2  # the CUDA stand-ins
+        assert sum(k.fwd_flops for k in ks) == block.fwd_flops
+        assert sum(k.bytes for k in ks) == block.fwd_hbm_bytes  # every memory-bound op is one kernel
+        assert all(k.launches == 1 for k in ks if k.bytes or k.kind in ("gemm", "attention"))
+        # the backward's memory-bound work is on the kernels too (and the priced attention / GEMMs are not)
+        assert sum(k.bwd_bytes for k in ks) > block.fwd_hbm_bytes
+        # w2 keeps the block's last saved tensor (its input): a non-reentrant recompute stops before it
+        assert [k.name for k in ks if not k.recompute and k.launches] == [
+            "feed_forward.w2: " + ("addmm" if over.get("bias") else "mm"), "add"]
+
+
+def test_bmm_folds_its_batch_and_a_convolution_is_a_gemm():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, kernel_size=4, stride=4)
+            self.w = nn.Parameter(torch.empty(5, 16, 6))
+
+        def forward(self, x):
+            y = self.conv(x).flatten(2)  # (2, 8, 16)
+            return torch.bmm(y.transpose(0, 1)[:5], self.w)  # (5, 2, 16) @ (5, 16, 6)
+
+    wl = trace_module(Mixed(), (torch.randn(2, 3, 16, 16),), dtype="fp32")
+    ks = wl.modules[0].kernels
+    assert [k.shape for k in ks if k.kind == "gemm"] == [(2 * 16, 8, 3 * 4 * 4), (5 * 2, 6, 16)]
+    assert sum(k.fwd_flops for k in ks) == wl.modules[0].fwd_flops
 
 
 def test_fp32_doubles_the_activations():

@@ -199,8 +199,10 @@ def kernels_time(gpu, kernels: tuple[Kernel, ...], pass_: str, dtype: str, optio
         if k.kind == "gemm":
             m, n, kk = k.shape
             t = gemm_time(gpu, m, n, kk, dtype, options.allow_tf32)
-            if backward:  # input gradient (m, k, n) and weight gradient (n, k, m)
-                t = gemm_time(gpu, m, kk, n, dtype, options.allow_tf32) + gemm_time(gpu, n, kk, m, dtype, options.allow_tf32)
+            if backward:  # input gradient (m, k, n), when the input needs one, and weight gradient (n, k, m)
+                t = gemm_time(gpu, n, kk, m, dtype, options.allow_tf32)
+                if k.input_grad:
+                    t += gemm_time(gpu, m, kk, n, dtype, options.allow_tf32)
             out.matmul += t
             out.launches += k.bwd_launches if backward else k.launches
         elif k.kind in ("attention", "attention_eager"):

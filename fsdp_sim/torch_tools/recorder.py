@@ -6,19 +6,58 @@ tags each new autograd node with the running segment (and swaps in CUDA stand-in
 free) and the forward's traffic, and `FlopCounterMode`, whose running total is read at every change
 of segment or phase. `saved_tensors_hooks` log which storages autograd keeps. `read_modules` turns the
 log into one `Module` per segment (see `trace.py` for what each field measures).
+
+Kernels. The dispatch mode also lists, per segment, the kernels the forward launches (`KernelRecord`):
+one per dispatched op that is not a view or a bare allocation. Matmuls and convolutions are GEMMs
+(m, n, k) (a batched matmul's batch folded into m), SDPA is an attention kernel; every other op is
+memory-bound with the bytes it reads and writes (`_log_softmax` as a `cross_entropy` kernel, the CUDA
+stand-ins of `cuda_kernels.py` as the kernel they stand for: a fused norm, a fused dropout). The
+backward's memory-bound ops are added to the forward kernel whose torch call created the autograd node
+running them (its largest memory-bound kernel); those with none (a bias gradient's sum in
+`AddmmBackward0`) are listed as backward-only kernels of the segment. Backward matmuls and attention are
+not listed: a forward GEMM's price includes its two backward GEMMs, attention's its backward kernel.
+Kernels after the segment's last tensor saved for backward are `recompute=False`.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field
 
 from fsdp_sim.torch_tools.cuda_kernels import cuda_stand_ins
-from fsdp_sim.workload.model import Module
+from fsdp_sim.workload import kernels as wk
+from fsdp_sim.workload.model import Kernel, Module
 
-__all__ = ["Recorder", "Segment", "modes", "flop_counter", "read_modules"]
+__all__ = ["Recorder", "Segment", "KernelRecord", "modes", "flop_counter", "read_modules"]
 
 NODE_KEY = "fsdp_sim_unit"  # autograd node metadata: the segment whose forward created the node
+RANGE_KEY = "fsdp_sim_kernels"  # autograd node metadata: (segment, first, end) of the kernels its torch call launched
+
+
+@dataclass(slots=True)
+class KernelRecord:
+    """A `Kernel` being recorded: forward fields set when the op runs, backward ones added as the backward runs."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...] = ()
+    bytes: float = 0.0
+    bwd_bytes: float = 0.0
+    launches: int = 1
+    bwd_launches: int = 0
+    causal: bool = False
+
+    @property
+    def memory_bound(self) -> bool:
+        return self.kind not in ("gemm", "attention")
+
+    def kernel(self, recompute: bool) -> Kernel:
+        if not self.memory_bound:  # priced by shape: two backward GEMMs, or attention's backward kernel
+            return Kernel(self.name, self.kind, self.shape, launches=self.launches,
+                          bwd_launches=2 if self.kind == "gemm" else 1, causal=self.causal, recompute=recompute)
+        return Kernel(self.name, self.kind, self.shape, bytes=float(self.bytes), bwd_bytes=float(self.bwd_bytes),
+                      launches=self.launches, bwd_launches=self.bwd_launches, recompute=recompute)
 
 
 @dataclass
@@ -31,6 +70,10 @@ class Segment:
     fwd_flops: float = 0.0
     bwd_flops: float = 0.0
     fwd_traffic: float = 0.0
+    prefix: str = ""  # the unit's fqn: kernel names are module paths below it
+    kernels: list[KernelRecord] = field(default_factory=list)
+    bwd_only: list[KernelRecord] = field(default_factory=list)  # backward kernels no forward kernel caused
+    recompute_from: int = 0  # kernels[recompute_from:] come after the segment's last saved tensor
 
 
 class Recorder:
@@ -52,6 +95,8 @@ class Recorder:
         self.param_sids: dict[int, str] = {}  # parameter storage -> canonical name
         self.first_use: dict[str, int] = {}  # parameter name -> first segment reading it
         self.final: set[int] = set()  # storages the backward starts from
+        self.path: list[str] = []  # fqns of the modules whose forward is running (innermost last)
+        self.fused: KernelRecord | None = None  # a CUDA stand-in's kernel: the ops it dispatches are folded in
 
     # storages
     def sid(self, t, *, new_ctx: tuple[str, int] | None = None) -> int:
@@ -81,26 +126,97 @@ class Recorder:
             self.events.append(("bwd", ctx[1]))
         self.ctx = ctx
 
-    def enter(self, unit: int | None, name: str, tensors) -> None:
+    def enter(self, unit: int | None, name: str, tensors, prefix: str = "") -> None:
         """A unit's (or the loss's) forward begins: a new segment, unless only prologue work came before."""
         seg = self.segments[-1]
         if not (len(self.segments) == 1 and seg.unit is None and not seg.name):
             self.segments.append(seg := Segment(unit=unit))
             self.events.append(("seg", len(self.segments) - 1))
-        seg.unit, seg.name = unit, name
+        seg.unit, seg.name, seg.prefix = unit, name, prefix
         seg.inputs = {self.sid(t) for t in tensors}
         self.switch(("forward", len(self.segments) - 1))
 
-    def claim(self, node) -> None:
-        """Tag the autograd nodes this segment's forward created (all new nodes reachable from `node`)."""
+    def claim(self, node, start: tuple[int, int] | None = None) -> None:
+        """Tag the autograd nodes this segment's forward created (all new nodes reachable from `node`), and
+        with the kernels their torch call launched (from `start`, `begin_call`'s mark, to now)."""
         seg = self.ctx[1]
+        span = (start[0], start[1], len(self.segments[start[0]].kernels)) if start is not None else None
         stack = [node]
         while stack:
             n = stack.pop()
             if n is None or NODE_KEY in n.metadata:
                 continue
             n.metadata[NODE_KEY] = seg
+            if span is not None:
+                n.metadata[RANGE_KEY] = span
             stack.extend(nxt for nxt, _ in n.next_functions)
+
+    # kernels
+    def begin_call(self, fused: KernelRecord | None) -> tuple[int, int] | None:
+        """A torch call begins in forward: mark where its kernels start; `fused` is a CUDA stand-in's one
+        kernel, listed now (before what it saves) with the ops it dispatches folded into it."""
+        if self.phase != "forward":
+            return None
+        seg = self.segments[self.ctx[1]]
+        mark = (self.ctx[1], len(seg.kernels))
+        if fused is not None and self.fused is None:
+            fused.name = self._label(seg, fused.name)
+            seg.kernels.append(fused)
+            self.fused, fused.launches = fused, 0
+        return mark
+
+    def end_call(self, fused: KernelRecord | None, mark: tuple[int, int] | None) -> None:
+        """The torch call `begin_call` marked returned: a stand-in that ran nothing (dropout with p=0) is unlisted."""
+        if fused is None or mark is None or self.fused is not fused:
+            return
+        self.fused = None
+        if fused.launches:
+            fused.launches = 1
+            return
+        seg = self.segments[mark[0]]
+        seg.kernels.remove(fused)
+        seg.recompute_from = min(seg.recompute_from, len(seg.kernels))
+
+    def _label(self, seg: Segment, op: str) -> str:
+        """`op` named by the module running it, relative to the segment's unit (`attention.wq: mm`)."""
+        path = self.path[-1] if self.path else ""
+        if seg.prefix and (path == seg.prefix or path.startswith(seg.prefix + ".")):
+            path = path[len(seg.prefix) + 1:]
+        return f"{path}: {op}" if path else op
+
+    def _forward_kernel(self, seg: Segment, func, traffic: float, compute: tuple | None, outputs: list) -> None:
+        if self.fused is not None:
+            self.fused.launches += 1  # the stand-in's own ops: its kernel is already listed
+            return
+        packet = func._overloadpacket
+        op = packet.__name__
+        if compute is not None:
+            kind, shape, causal = compute
+            seg.kernels.append(KernelRecord(self._label(seg, op), kind, shape, causal=causal))
+        elif packet is self.torch.ops.aten._log_softmax and outputs and outputs[0].dim():
+            out = outputs[0]
+            width = out.shape[-1]
+            seg.kernels.append(KernelRecord(self._label(seg, op), "cross_entropy", (out.numel() // max(width, 1), width),
+                                            bytes=traffic))
+        else:
+            seg.kernels.append(KernelRecord(self._label(seg, op), "elementwise", bytes=traffic))
+
+    def _backward_kernel(self, func, traffic: float) -> None:
+        """A memory-bound backward op: added to the forward kernel that caused it, else listed on its own."""
+        node = self.torch._C._current_autograd_node()
+        span = node.metadata.get(RANGE_KEY) if node is not None else None
+        if span is not None:
+            seg, lo, hi = span
+            candidates = [k for k in self.segments[seg].kernels[lo:hi] if k.memory_bound]
+            if candidates:
+                target = max(reversed(candidates), key=lambda k: k.bytes)  # the largest; the last of equals
+                target.bwd_bytes += traffic
+                target.bwd_launches += 1
+                return
+        where = node.name() if node is not None else "autograd"
+        self.segments[self.ctx[1]].bwd_only.append(
+            KernelRecord(f"{where}: {func._overloadpacket.__name__}", "elementwise", bwd_bytes=traffic, launches=0,
+                         bwd_launches=1))
 
     def backward_ctx(self) -> tuple[str, int]:
         node = self.torch._C._current_autograd_node()
@@ -109,11 +225,14 @@ class Recorder:
         return self.ctx  # engine bookkeeping: stays with the unit that ran last
 
     # hooks called by the modes
-    def on_op(self, func, inputs: list, outputs: list, *, reads: str = "inputs", flop_timed: bool = False) -> None:
+    def on_op(self, func, inputs: list, outputs: list, *, reads: str = "inputs", flop_timed: bool = False,
+              compute: tuple | None = None) -> None:
         """An op ran: register its new storages; in forward, its parameter reads and, unless its time comes
         from its FLOPs (matmuls, attention), its HBM traffic: what it `reads` ("inputs"; "outputs" for a
         gather, which reads only the rows it returns; "nothing" for a `*_like` / `new_*` factory;
-        "none" for an allocation, which moves no data at all) plus what it writes."""
+        "none" for an allocation, which moves no data at all) plus what it writes. Every op that is not
+        a view or an allocation is a kernel (`compute`: its (kind, shape, causal) when it is a GEMM or
+        attention); in backward the memory-bound ones are added to the kernels (module docstring)."""
         if self.phase not in ("forward", "backward"):  # our own setup between the phases: not the model's
             for t in outputs:
                 self.sid(t)
@@ -126,20 +245,29 @@ class Recorder:
         fresh = any(self.sid_of.get(t.untyped_storage()) is None for t in outputs)
         for t in outputs:
             self.sid(t, new_ctx=ctx)
+        aliases = not fresh and not func._schema.is_mutable  # a view, whatever its schema says (_unsafe_view)
+        launches = not (func.is_view or aliases or reads == "none")
+        read = {"inputs": inputs, "outputs": outputs}.get(reads, [])
+        traffic = sum(t.numel() * t.element_size() for t in read + outputs) if launches and not flop_timed else 0
         if ctx[0] != "forward":
+            if launches and not flop_timed:
+                self._backward_kernel(func, traffic)
             return
         for t in inputs:
             name = self.param_sids.get(self.sid(t))
             if name is not None and name not in self.first_use:
                 self.first_use[name] = ctx[1]
-        aliases = not fresh and not func._schema.is_mutable  # a view, whatever its schema says (_unsafe_view)
-        if not (func.is_view or aliases or flop_timed or reads == "none"):
-            read = {"inputs": inputs, "outputs": outputs}.get(reads, [])
-            self.segments[ctx[1]].fwd_traffic += sum(t.numel() * t.element_size() for t in read + outputs)
+        if launches:
+            seg = self.segments[ctx[1]]
+            seg.fwd_traffic += traffic
+            if not flop_timed or compute is not None:
+                self._forward_kernel(seg, func, traffic, compute, outputs)
 
     def on_pack(self, t) -> None:
         if self.phase == "forward":
             self.events.append(("pack", self.sid(t), self.ctx[1]))
+            seg = self.segments[self.ctx[1]]
+            seg.recompute_from = len(seg.kernels)
 
 
 def modes(torch, rec: Recorder, *, emulate_cuda: bool, flop_ops=()):
@@ -161,16 +289,21 @@ def modes(torch, rec: Recorder, *, emulate_cuda: bool, flop_ops=()):
     substitutes = cuda_stand_ins(torch) if emulate_cuda else {}
 
     class Claim(TorchFunctionMode):
-        """Above autograd: tags the nodes each torch call creates with the running segment (and swaps
-        in the CUDA kernels whose CPU decompositions save other tensors)."""
+        """Above autograd: tags the nodes each torch call creates with the running segment and the kernels
+        it launched (and swaps in the CUDA kernels whose CPU decompositions save other tensors)."""
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            func = substitutes.get(func, func)
-            out = func(*args, **(kwargs or {}))
+            kwargs = kwargs or {}
+            fused = _stand_in_kernel(torch, func, args, kwargs) if func in substitutes else None
+            start = rec.begin_call(fused)
+            try:
+                out = substitutes.get(func, func)(*args, **kwargs)
+            finally:
+                rec.end_call(fused, start)
             if rec.phase == "forward":
                 for t in tree_leaves(out):
                     if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                        rec.claim(t.grad_fn)
+                        rec.claim(t.grad_fn, start)
             return out
 
     class Memory(TorchDispatchMode):
@@ -183,10 +316,67 @@ def modes(torch, rec: Recorder, *, emulate_cuda: bool, flop_ops=()):
                 tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
                 outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
                 packet = func._overloadpacket
-                rec.on_op(func, tensors, outs, reads=reads.get(packet, "inputs"), flop_timed=packet in flop_ops)
+                timed = packet in flop_ops
+                compute = _compute_kernel(aten, func, args, kwargs, outs) if timed and rec.phase == "forward" else None
+                rec.on_op(func, tensors, outs, reads=reads.get(packet, "inputs"), flop_timed=timed, compute=compute)
             return out
 
     return Claim(), Memory()
+
+
+def _arg(func, args, kwargs, name: str, default=None):
+    """The value of `func`'s argument `name` in a call (positional or keyword, else its default)."""
+    if name in kwargs:
+        return kwargs[name]
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == name:
+            return args[i] if i < len(args) else (a.default_value if a.has_default_value() else default)
+    return default
+
+
+def _compute_kernel(aten, func, args, kwargs, outputs) -> tuple | None:
+    """(kind, shape, causal) of a FLOP-counted forward op: a GEMM (m, n, k), a convolution as its implicit
+    GEMM (m = images x output positions, n = output channels, k = input channels / groups x kernel size,
+    the count `flop_counter` uses), or SDPA (batch, heads, query length, head dim)."""
+    packet = func._overloadpacket
+    if packet in (aten.mm, aten._scaled_mm):
+        (m, k), n = args[0].shape, args[1].shape[-1]
+    elif packet is aten.addmm:
+        (m, k), n = args[1].shape, args[2].shape[-1]
+    elif packet in (aten.bmm, aten.baddbmm):
+        a, b = (args[0], args[1]) if packet is aten.bmm else (args[1], args[2])
+        batch, m, k = a.shape
+        m, n = batch * m, b.shape[-1]
+    elif "conv" in packet.__name__:
+        x, w = args[0], args[1]
+        transposed = bool(_arg(func, args, kwargs, "transposed", False))
+        spatial = (x.shape if transposed else outputs[0].shape)[2:]
+        m, n, k = x.shape[0] * math.prod(spatial), w.shape[0], math.prod(w.shape[1:])
+    elif "scaled_dot_product" in packet.__name__ and "backward" not in packet.__name__:
+        b, h, s, d = args[0].shape
+        return "attention", (b, h, s, d), bool(_arg(func, args, kwargs, "is_causal", False))
+    else:  # flex attention and the like: FLOPs without a kernel shape
+        return None
+    return "gemm", (int(m), int(n), int(k)), False
+
+
+def _stand_in_kernel(torch, func, args, kwargs) -> KernelRecord | None:
+    """The kernel a CUDA stand-in (`cuda_kernels.py`) stands for: a fused norm (`kernels.norm`) or a fused
+    dropout (reads x, writes y and a one-byte mask; backward reads the gradient and the mask)."""
+    F = torch.nn.functional
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, torch.Tensor):
+        return None
+    if func in (F.rms_norm, torch.rms_norm, F.layer_norm, torch.layer_norm):
+        shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
+        width = math.prod([shape] if isinstance(shape, int) else shape)
+        name = "rms_norm" if func in (F.rms_norm, torch.rms_norm) else "layer_norm"
+        k = wk.norm(name, x.numel() // max(width, 1), width, x.element_size(), fused=True)
+        return KernelRecord(name, k.kind, k.shape, bytes=k.bytes, bwd_bytes=k.bwd_bytes, bwd_launches=k.bwd_launches)
+    if func is F.dropout:
+        nbytes = 2 * x.numel() * x.element_size() + x.numel()
+        return KernelRecord("dropout", "elementwise", bytes=nbytes, bwd_bytes=nbytes, bwd_launches=1)
+    return None  # SDPA's stand-in only drops the dropout: its ops are the kernels
 
 
 def flop_counter(torch):
@@ -358,12 +548,14 @@ def read_modules(rec: Recorder, units, unit_params, params_meta, param_grads: se
         else:
             _, mod, is_block = units[s.unit]
             kind = _kind(mod, is_block, i == last_model)
+        kernels = tuple(k.kernel(recompute=j < s.recompute_from) for j, k in enumerate(s.kernels))
+        kernels += tuple(k.kernel(recompute=False) for k in s.bwd_only)
         modules.append(Module(
             name=s.name, kind=kind, params=own, tied_params=tied, fwd_flops=s.fwd_flops, bwd_flops=s.bwd_flops,
             fwd_hbm_bytes=s.fwd_traffic, saved_bytes=saved[i],
             fwd_temp_bytes=max(0, fwd_peak[i] - fwd_end_live[i]), bwd_temp_bytes=bwd_peak[i],
             output_bytes=out_bytes[i], saves_input=saves_input[i], is_block=is_block,
-            in_model=not (has_loss and s.unit is None)))
+            in_model=not (has_loss and s.unit is None), kernels=kernels))
     return modules, notes
 
 

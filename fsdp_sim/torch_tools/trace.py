@@ -33,6 +33,11 @@ What is measured, and how (the event log and its reading are in `recorder.py`):
   only the rows it returns).
 - Kernels: a few ops save other tensors on the CPU than on CUDA (RMSNorm, LayerNorm statistics,
   dropout masks, SDPA with dropout); by default they run as CUDA stand-ins (`cuda_kernels.py`).
+- `kernels`: what each unit's forward dispatches, one kernel per op that is not a view or a bare
+  allocation: GEMMs (mm / addmm / bmm / baddbmm / convolution, with m, n, k), SDPA (batch, heads, seq,
+  head dim, causal), memory-bound ops with their bytes, and the backward's memory-bound ops added to
+  the forward kernels that caused them (`recorder.py`), so a traced workload is priced as the analytic
+  builders' are. Each kernel is named by the module path that ran it, below the unit (`attention.wq: mm`).
 - Anything surprising (a module saving its own output, partly saved inputs, caches) is listed in
   `workload.meta["notes"]`.
 """
@@ -200,9 +205,22 @@ def trace_module(model, example_inputs: tuple, *, loss_fn: Callable | None = Non
         calls[i] += 1
         fqn = units[i][0] or type(module).__name__.lower()
         label = fqn if calls[i] == 1 else f"{fqn}#{calls[i]}"
-        rec.enter(i, label, [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
+        rec.enter(i, label, [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)], prefix=units[i][0])
 
-    handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for _, m, _ in units]
+    # the running module path names the kernels (`attention.wq: mm`); registered first, so a unit's own
+    # path is pushed before its pre-hook opens the segment
+    def push(fqn: str):
+        return lambda module, args: rec.path.append(fqn)  # None: the inputs stay
+
+    def pop(module, args, output):
+        rec.path.pop()  # returns None: the output stays
+
+    handles = []
+    for fqn, m in model.named_modules():
+        if fqn:
+            handles.append(m.register_forward_pre_hook(push(fqn)))
+            handles.append(m.register_forward_hook(pop, always_call=True))
+    handles += [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for _, m, _ in units]
     claim_mode, memory_mode = modes(torch, rec, emulate_cuda=emulate_cuda, flop_ops=counter.flop_registry)
     was_training = [(m, m.training) for m in model.modules()]
     gc_was_enabled = gc.isenabled()

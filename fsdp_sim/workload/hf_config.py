@@ -16,7 +16,9 @@ Gated MLPs (SwiGLU, Gemma's GeGLU, Phi-3's fused gate_up) save the same tensors 
 Modelled as their memory and FLOPs, not their exact kernels: GPT-NeoX's parallel residual is treated as
 sequential (one extra (b, s, h) tensor saved per block); Phi-3's fused qkv / gate_up projections are kept
 as separate parameters (same count, slightly different FSDP2 dim-0 padding); sliding-window attention
-is computed in full; rotary embeddings have no parameters.
+is computed in full; rotary embeddings have no parameters. Every module carries the kernels its builder
+lists (`Module.kernels`: the decoder's `block_kernels`, the MoE and vision builders' own); of the configs'
+activations only the vision and CLIP towers' `hidden_act` is read (CLIP's `quick_gelu` is three kernels).
 """
 
 from __future__ import annotations
@@ -153,7 +155,7 @@ def build_from_hf_dict(data: dict, *, micro_batch: int, seq_len: int, act_dtype:
                                 f"{tdims.max_seq} (text_config.max_position_embeddings)")
         wl = build_clip(vision_dims(c.sub("vision_config", "clip_vision_model"), "clip"), tdims,
                         projection_dim=c.int("projection_dim"), text_seq=seq_len, micro_batch=micro_batch,
-                        act_dtype=act_dtype, name=name)
+                        act_dtype=act_dtype, name=name, text_act=_activation(text, "quick_gelu"))
     else:
         wl = _build_llava(c, micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype, name=name)
     return replace(wl, meta={**meta, **wl.meta})
@@ -218,7 +220,8 @@ def _moe_spec(c: _Config, d: TransformerDims) -> tuple[MoESpec, list[bool]]:
     else:  # qwen2_moe
         spec = MoESpec(experts=c.int("num_experts"), top_k=c.int("num_experts_per_tok"),
                        expert_ffn=c.int("moe_intermediate_size"),
-                       shared_ffn=c.int("shared_expert_intermediate_size", default=0, positive=False))
+                       shared_ffn=c.int("shared_expert_intermediate_size", default=0, positive=False),
+                       norm_topk=c.bool("norm_topk_prob", default=False))
         step = c.int("decoder_sparse_step", default=1)
         dense = c.data.get("mlp_only_layers") or []
         if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
@@ -281,9 +284,16 @@ def vision_dims(c: _Config, style: str) -> VisionDims:
     if style == "clip":
         c.model_type_in(("clip_vision_model",))
     tower = _encoder_dims(c, "hidden_dropout_prob" if style == "vit" else "dropout")
+    act = _activation(c, "gelu" if style == "vit" else "quick_gelu")
     return VisionDims(tower=replace(tower, vocab=1), image_size=c.int("image_size"), patch_size=c.int("patch_size"),
                       channels=c.int("num_channels", default=3), style=style,
-                      qkv_bias=c.bool("qkv_bias", default=True) if style == "vit" else True)
+                      qkv_bias=c.bool("qkv_bias", default=True) if style == "vit" else True, act=act)
+
+
+def _activation(c: _Config, default: str) -> str:
+    """`hidden_act` of a vision or CLIP text config (ViTConfig's default gelu, CLIP's quick_gelu); it sets
+    the MLP's kernels only (`vision.VisionDims.act`)."""
+    return c.str("hidden_act", default=default)
 
 
 def _clip_text_dims(c: _Config) -> TransformerDims:

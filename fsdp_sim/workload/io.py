@@ -34,7 +34,8 @@ _MODULE_KEYS = {"name": "str", "kind": "str", "params": "params", "tied_params":
                 "kernels": "kernels"}
 _PARAM_KEYS = {"name": "str", "shape": "shape", "dtype": "dtype", "trainable": "bool"}
 _KERNEL_KEYS = {"name": "str", "kind": "kernel_kind", "shape": "shape", "bytes": "float", "bwd_bytes": "float",
-                "launches": "int", "bwd_launches": "int", "causal": "bool", "recompute": "bool"}
+                "launches": "int", "bwd_launches": "int", "causal": "bool", "recompute": "bool",
+                "input_grad": "bool"}
 # the fields without a default: Workload name, modules; Module name, kind; Param name, shape
 _REQUIRED = {cls: tuple(f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING)
              for cls in (Workload, Module, Param, Kernel)}

@@ -17,9 +17,10 @@ UNFUSED_NORM_LAUNCHES = 8  # HF LlamaRMSNorm / composite RMSNorm forward kernels
 ROPE_LAUNCHES_PER_TENSOR = 5  # rotary embedding on q or k, eager (component-timing §4.2)
 
 
-def gemm(name: str, m: int, n: int, k: int, *, recompute: bool = True) -> Kernel:
+def gemm(name: str, m: int, n: int, k: int, *, recompute: bool = True, input_grad: bool = True) -> Kernel:
     """`nn.Linear` on m tokens, k -> n features (a bias is fused into `addmm`)."""
-    return Kernel(name, "gemm", (m, n, k), launches=1, bwd_launches=2, recompute=recompute)
+    return Kernel(name, "gemm", (m, n, k), launches=1, bwd_launches=2 if input_grad else 1, recompute=recompute,
+                  input_grad=input_grad)
 
 
 def elementwise(name: str, nbytes: float, bwd_bytes: float, *, launches: int = 1, bwd_launches: int = 1,

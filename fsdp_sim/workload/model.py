@@ -75,6 +75,7 @@ class Kernel:
     bwd_launches: int = 1
     causal: bool = False
     recompute: bool = True
+    input_grad: bool = True  # gemm: False when its input needs no gradient (a patch conv on pixels)
 
     @property
     def fwd_flops(self) -> float:
@@ -89,9 +90,12 @@ class Kernel:
 
     @property
     def bwd_flops(self) -> float:
-        """Two GEMMs per forward GEMM; attention's backward is 2.5x its forward (5 bmm against 2,
-        `torch/utils/flop_counter.py` sdpa backward; flash-attention's benchmark counts the same)."""
-        return self.fwd_flops * (2.0 if self.kind == "gemm" else 2.5)
+        """Two GEMMs per forward GEMM (one without an input gradient); attention's backward is 2.5x its
+        forward (5 bmm against 2, `torch/utils/flop_counter.py` sdpa backward; flash-attention's benchmark
+        counts the same)."""
+        if self.kind == "gemm":
+            return self.fwd_flops * (2.0 if self.input_grad else 1.0)
+        return self.fwd_flops * 2.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +104,9 @@ class Module:
 
     `tied_params` names parameters owned by an earlier module that this one also uses (a tied output
     head): its backward produces their gradient, so that gradient exists from this module's backward on.
-    `kernels`: what the forward launches, in order (see `Kernel`); empty when only FLOPs and bytes are known
-    (a traced or hand-written workload), and then time is priced from `fwd_flops` and `fwd_hbm_bytes`.
+    `kernels`: what the forward launches, in order (see `Kernel`; the builders and `fsdp-sim trace` list
+    them); empty when only FLOPs and bytes are known (a hand-written workload), and then time is priced
+    from `fwd_flops` and `fwd_hbm_bytes`.
     `fwd_time_s` / `bwd_time_s`: measured compute durations of the module's forward / backward (seconds,
     e.g. from a profiler trace, see `workload/profile_trace.py`); None when only FLOPs and bytes are known.
     """

@@ -11,15 +11,27 @@ dim 0). Every token is sent to `top_k` experts:
   fp32 softmax probabilities, the top-k indices and normalised weights.
 Qwen2-MoE adds a shared expert (a dense SwiGLU MLP every token runs) with a sigmoid gate
 `Linear(hidden, 1)`; its layers listed in `mlp_only_layers` (or off `decoder_sparse_step`) stay dense.
+
+Kernels (`moe_kernels`), in the order `MixtralSparseMoeBlock.forward` launches them: the dense block's
+attention half (`attention_kernels`), the router GEMM (tokens x experts x hidden), the fp32 softmax, top-k
+(and Mixtral's renormalisation), the one-hot expert mask; then for every expert a token gather, its three
+GEMMs over the tokens routed to it (tokens x top_k / experts with balanced routing, the remainder spread
+one token each over the first experts), the routing-weight gather and multiply and the `index_add_` into
+the output; the shared expert; the residual add. The byte counts are each eager op's reads and writes.
+The gathers' backward is the costly part: each expert's `index` backward zero-fills a (tokens, hidden)
+gradient, index-puts its rows in, and autograd adds it to the hidden states' gradient. Each expert's
+`nonzero` also syncs the host with the GPU, which is not modelled.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import cache
 
 from fsdp_sim.dtypes import itemsize
-from fsdp_sim.workload.model import Module, Param, Workload
+from fsdp_sim.workload.kernels import attention_kernels, elementwise, gemm
+from fsdp_sim.workload.model import Kernel, Module, Param, Workload
 from fsdp_sim.workload.transformer import TransformerDims, _linear, block_activations, block_params
 
 
@@ -31,6 +43,7 @@ class MoESpec:
     top_k: int
     expert_ffn: int
     shared_ffn: int = 0  # Qwen2-MoE shared expert width; 0 means none
+    norm_topk: bool = True  # the top-k weights renormalised to sum to 1 (Mixtral; Qwen2-MoE's norm_topk_prob)
 
     def expert_params(self, hidden: int) -> int:
         return 3 * hidden * self.expert_ffn
@@ -51,6 +64,72 @@ def moe_block_params(d: TransformerDims, spec: MoESpec, prefix: str) -> list[Par
         params += _linear(f"{s}.w2", spec.shared_ffn, h, False)
         params += _linear(f"{ff}.shared_expert_gate", h, 1, False)
     return params
+
+
+def expert_tokens(spec: MoESpec, tok: int) -> list[int]:
+    """Tokens each expert gets with balanced routing: tok x top_k / experts, the remainder one each."""
+    routed = tok * spec.top_k
+    return [routed // spec.experts + (j < routed % spec.experts) for j in range(spec.experts)]
+
+
+def _swiglu(name: str, m: int, h: int, f: int, p: int) -> list[Kernel]:
+    """w1, w3, silu(w1) * w3, w2 over m tokens, as `block_kernels` lists a dense SwiGLU MLP (w2 is recomputed
+    here: its output is saved by the routing-weight or gate multiply after it)."""
+    return [gemm(f"{name}.w1", m, f, h), gemm(f"{name}.w3", m, f, h),
+            Kernel(f"{name} silu(w1) * w3", "activation", (m, f), bytes=3 * m * f * p, bwd_bytes=5 * m * f * p,
+                   launches=2, bwd_launches=4),
+            gemm(f"{name}.w2", m, h, f)]
+
+
+@cache
+def moe_kernels(d: TransformerDims, spec: MoESpec, b: int, s: int, p: int) -> tuple[Kernel, ...]:
+    """What a sparse block's forward launches (module docstring); `p` the activation dtype's bytes.
+
+    `recompute=False` marks what follows the block's last saved tensor: the index kept by the last
+    expert's `index_add_` (Mixtral) or the shared expert's gate and output kept by their product (Qwen2-MoE).
+    """
+    tok, h, E, k = b * s, d.hidden, spec.experts, spec.top_k
+    routed, bsh = tok * k, tok * h * p
+    ks = list(attention_kernels(d, b, s, p, causal=True))
+    ks += [gemm("router", tok, E, h),
+           # softmax(logits, dtype=float32); backward reads the fp32 gradient and output, writes the logits'
+           elementwise("router softmax (fp32)", tok * E * (p + 4), tok * E * (8 + p)),
+           # values and int64 indices; backward zero-fills the (tokens, experts) gradient and scatters into it
+           elementwise("topk", tok * E * 4 + routed * 12, tok * E * 4 + routed * 16, bwd_launches=2)]
+    if spec.norm_topk:  # weights /= weights.sum(-1, keepdim=True); backward the divide's two gradients and their sum
+        ks.append(elementwise("top-k renormalisation", 3 * routed * 4 + 2 * tok * 4, 9 * routed * 4,
+                              launches=2, bwd_launches=5))
+    ks += [elementwise("routing weights to activation dtype", routed * (4 + p), routed * (4 + p)),
+           elementwise("zeros (output)", bsh, 0, bwd_launches=0),
+           # one_hot (zero-fill, scatter) of the int64 indices, its sum per expert, > 0, nonzero
+           elementwise("one_hot expert mask, experts hit", 2 * routed * E * 8 + routed * 16, 0, launches=6,
+                       bwd_launches=0)]
+    counts = [m for m in expert_tokens(spec, tok) if m]  # HF skips experts no token is routed to
+    for j, m in enumerate(counts):
+        e = f"experts.{j}"
+        last = j == len(counts) - 1 and not spec.shared_ffn
+        rows = m * h * p
+        ks += [elementwise(f"{e} where(mask)", routed * 8 + 2 * m * 8, 0, launches=3, bwd_launches=0),
+               # index backward: zero-fill (tokens, hidden), index_put_ with accumulate (sorts the indices),
+               # then autograd adds it to the hidden states' gradient
+               elementwise(f"{e} gather tokens", 2 * rows + m * 8, bsh + 2 * rows + m * 8 + 3 * bsh,
+                           bwd_launches=6),
+               *_swiglu(e, m, h, spec.expert_ffn, p),
+               elementwise(f"{e} gather routing weights", 2 * m * 8 + 2 * m * p,
+                           routed * p + 2 * m * p + 2 * m * 8 + 3 * routed * p, bwd_launches=6),
+               # backward: gradient x weight, and (gradient x output).sum(-1) for the weight
+               elementwise(f"{e} * routing weight", 2 * rows + m * p, 5 * rows + 2 * m * p, bwd_launches=3),
+               # read-modify-write of the output rows; backward index_select of the gradient
+               elementwise(f"{e} index_add_", 3 * rows + m * 8, 2 * rows + m * 8, recompute=not last)]
+    if spec.shared_ffn:
+        ks += _swiglu("shared_expert", tok, h, spec.shared_ffn, p)
+        ks += [gemm("shared_expert_gate", tok, 1, h),
+               elementwise("sigmoid(gate)", 2 * tok * p, 3 * tok * p),
+               elementwise("sigmoid(gate) * shared_expert", 2 * bsh + tok * p, 5 * bsh + 2 * tok * p,
+                           bwd_launches=3, recompute=False),
+               elementwise("routed + shared", 3 * bsh, 0, bwd_launches=0, recompute=False)]
+    ks.append(elementwise("mlp residual add", 3 * bsh, 3 * bsh, recompute=False))
+    return tuple(ks)
 
 
 def moe_block(d: TransformerDims, spec: MoESpec, name: str, *, b: int, s: int, p: int) -> Module:
@@ -81,23 +160,20 @@ def moe_block(d: TransformerDims, spec: MoESpec, name: str, *, b: int, s: int, p
         bwd_temp = max(bwd_temp, block_activations(replace(d, mlp="swiglu", ffn_hidden=fs), b, s, p).bwd_temp)
 
     params = tuple(moe_block_params(d, spec, name))
-    ff = f"{name}.feed_forward."
-    attn_matmul = 2 * tok * sum(pr.numel for pr in params if len(pr.shape) == 2 and not pr.name.startswith(ff))
-    router = 2 * tok * h * E
-    experts = k * 2 * tok * spec.expert_params(h)  # top_k x the dense SwiGLU MLP per token
-    shared = (2 * tok * 3 * h * fs + 2 * tok * h) if fs else 0
-    attn = 4 * b * s * s * d.q_dim * (0.5 if d.attention == "sdpa" else 1.0)
-    fwd = attn_matmul + router + experts + shared + attn
-    return Module(name, "block", params, fwd_flops=fwd, bwd_flops=2 * fwd, fwd_hbm_bytes=2 * (saved + bsh),
+    # FLOPs from the kernels: attention, the router, top_k x the dense SwiGLU MLP per token, the shared expert
+    kernels = moe_kernels(d, spec, b, s, p)
+    return Module(name, "block", params, fwd_flops=sum(kn.fwd_flops for kn in kernels),
+                  bwd_flops=sum(kn.bwd_flops for kn in kernels), fwd_hbm_bytes=2 * (saved + bsh),
                   saved_bytes=saved, fwd_temp_bytes=fwd_temp, bwd_temp_bytes=bwd_temp, output_bytes=bsh,
-                  saves_input=dense.saves_input, is_block=True)
+                  saves_input=dense.saves_input, is_block=True, kernels=kernels)
 
 
 def apply_moe(wl: Workload, d: TransformerDims, spec: MoESpec, sparse: list[bool], *, micro_batch: int,
               seq_len: int) -> Workload:
     """Replace the blocks flagged in `sparse` (one flag per layer, in order) of a dense decoder by MoE blocks.
 
-    `model_flops` counts the active parameters only: the inactive experts' weights are left out.
+    `model_flops` is what the kernels execute, as `build_transformer` counts it: each token's `top_k`
+    experts only. `meta["active_params"]` leaves the inactive experts' weights out.
     """
     p = itemsize(wl.activation_dtype)
     modules, i, inactive = [], 0, 0
@@ -110,7 +186,6 @@ def apply_moe(wl: Workload, d: TransformerDims, spec: MoESpec, sparse: list[bool
         modules.append(m)
     n_params = sum(m.numel for m in modules)
     active = n_params - inactive
-    tok = micro_batch * seq_len
-    model_flops = (6 * active + 12 * d.layers * d.q_dim * seq_len) * tok
+    model_flops = sum(m.fwd_flops + m.bwd_flops for m in modules)
     meta = {**wl.meta, "experts": spec.experts, "top_k": spec.top_k, "active_params": active}
     return replace(wl, modules=tuple(modules), model_flops=float(model_flops), meta=meta)
