@@ -1,9 +1,11 @@
-"""`fsdp-sim run SCENARIO [--json F] [--trace F] [--timeline-csv F]`;
-`fsdp-sim sweep SCENARIO --set KEY=V1,V2 ... [-o rows.csv]`;
-`fsdp-sim trace package.module:factory --batch B --seq S -o workload.yaml`.
+"""`fsdp-sim run SCENARIO [--json F] [--trace F] [--timeline-csv F] [--plot F] [--require-fit]`;
+`fsdp-sim sweep SCENARIO [--grid GRID] [--set KEY=V1,V2 ...] [-o rows.csv] [--plot F]`;
+`fsdp-sim recommend SCENARIO [--grid GRID] [--max-batch] [--json F] [--plot F]`;
+`fsdp-sim trace package.module:factory --batch B --seq S -o workload.yaml`; `fsdp-sim --version`.
 
 Argument parsing, file writing and error messages; nothing else. Bad input (`ScenarioError`) becomes one
-line on stderr and exit code 2.
+line on stderr and exit code 2; a result a script should stop on (a step that does not fit under
+`--require-fit`, a sweep whose every point failed, a recommendation with nothing that fits) exits 1.
 """
 
 from __future__ import annotations
@@ -52,6 +54,13 @@ def _run(args: argparse.Namespace) -> int:
             raise ScenarioError(f"--plot {args.plot}: {exc}") from None
     if not args.quiet:
         print(summary(data))
+    if args.require_fit and not data["memory"]["fits"]:
+        from fsdp_sim.results.report import fmt_bytes
+
+        if not args.quiet:
+            print(f"fsdp-sim: does not fit: required {fmt_bytes(data['memory']['required_bytes'])} > budget "
+                  f"{fmt_bytes(data['memory']['budget_bytes'])} (--require-fit)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -77,6 +86,41 @@ def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress(args: argparse.Namespace) -> bool:
+    """A progress bar only for a person watching: not with -q, and only when stderr is a terminal."""
+    return not args.quiet and sys.stderr.isatty()
+
+
+def _check_sweep_args(args: argparse.Namespace) -> None:
+    if args.jobs is not None and args.jobs <= 0:
+        raise ScenarioError(f"--jobs: must be a positive integer, got {args.jobs}")
+
+
+def _color_keys(args: argparse.Namespace, axes=None) -> list[str]:
+    """The keys that colour `--plot` (--color-by, default the first axis's), checked before sweeping."""
+    from fsdp_sim.sweep import MICRO_BATCH, search_axes
+
+    searched = search_axes(args.grid, axes, args.set)
+    keys = [k for a in searched for k in a.keys] + ([MICRO_BATCH] if args.max_batch else [])
+    color_by = args.color_by.split(",") if args.color_by else (searched[0].keys if searched else keys[:1])
+    for key in color_by:
+        if key not in keys:
+            raise ScenarioError(f"--color-by: {key!r} is not a swept key, expected one of {keys}")
+    return color_by
+
+
+def _pareto(args: argparse.Namespace, color_by: list[str], rows: list[dict], best: dict | None = None) -> None:
+    """`--plot`: the Pareto front of the rows."""
+    from fsdp_sim.results.plot import pareto_figure
+
+    fig = pareto_figure(rows, color_by, best=best, title=f"{Path(args.scenario).stem}: {len(rows)} configurations "
+                        "(hollow: does not fit)")
+    try:
+        fig.savefig(args.plot, dpi=120)
+    except (OSError, ValueError) as exc:
+        raise ScenarioError(f"--plot {args.plot}: {exc}") from None
+
+
 def _sweep(args: argparse.Namespace) -> int:
     import csv
     import io
@@ -84,9 +128,10 @@ def _sweep(args: argparse.Namespace) -> int:
     from fsdp_sim.results.report import fmt_bytes, fmt_time
     from fsdp_sim.sweep import COLUMNS, sweep
 
-    if args.jobs is not None and args.jobs <= 0:
-        raise ScenarioError(f"--jobs: must be a positive integer, got {args.jobs}")
-    keys, rows = sweep(args.scenario, args.set, jobs=args.jobs)
+    _check_sweep_args(args)
+    color_by = _color_keys(args) if args.plot else []
+    keys, rows = sweep(args.scenario, args.set, grid=args.grid, jobs=args.jobs, progress=_progress(args),
+                       max_batch=args.max_batch)
     if args.output:
         if args.output.lower().endswith(".json"):
             _write(args.output, json.dumps(rows, indent=1) + "\n")
@@ -99,13 +144,48 @@ def _sweep(args: argparse.Namespace) -> int:
     if not args.quiet:
         print("  ".join(f"{k:>20}" for k in keys) + f"{'step time':>12}{'tok/s/GPU':>11}{'peak alloc':>12}{'required':>12}  fits")
         for row in rows:
-            swept = "  ".join(f"{str(row[k]):>20}" for k in keys)
+            swept = "  ".join(f"{'-' if row[k] is None else str(row[k]):>20}" for k in keys)
             if row["error"]:
                 print(f"{swept}  error: {row['error']}")
             else:
                 print(f"{swept}{fmt_time(row['step_time_s']):>12}{row['tokens_per_s_per_gpu']:>11.0f}"
                       f"{fmt_bytes(row['peak_allocated_bytes']):>12}"
                       f"{fmt_bytes(row['required_bytes']):>12}  {'yes' if row['fits'] else 'no'}")
+    if rows and all(row["error"] for row in rows):
+        print(f"fsdp-sim: every configuration failed; the first: {rows[0]['error']}", file=sys.stderr)
+        return 1
+    if args.plot:
+        _pareto(args, color_by, rows)
+    return 0
+
+
+def _recommend(args: argparse.Namespace) -> int:
+    from fsdp_sim.datafile import read_data
+    from fsdp_sim.recommend import default_axes, explain, recommend
+    from fsdp_sim.sweep import sweep
+
+    _check_sweep_args(args)
+    if args.top < 0:
+        raise ScenarioError(f"--top: must be zero or more, got {args.top}")
+    axes = None
+    if not args.grid:
+        axes = default_axes(read_data(args.scenario, "scenario"), Path(args.scenario).parent,
+                            micro_batch=not args.max_batch)
+    color_by = _color_keys(args, axes) if args.plot else []
+    keys, rows = sweep(args.scenario, args.set, grid=args.grid, axes=axes, jobs=args.jobs,
+                       progress=_progress(args), max_batch=args.max_batch)
+    rec = recommend(rows, keys, top=args.top)
+    if args.json:
+        _write(args.json, json.dumps(rec | {"rows": rows}, indent=1) + "\n")
+    if args.plot and any(not r["error"] for r in rows):
+        _pareto(args, color_by, rows, rec["best"])
+    if not args.quiet:
+        print(explain(rec))
+    if rec["best"] is None:
+        if args.quiet:
+            return 1
+        print(f"fsdp-sim: no configuration fits ({rec['limit']})", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -116,8 +196,36 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"fsdp-sim: error: {message} (see {self.prog} --help)\n")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fsdp-sim")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        from fsdp_sim import __version__
+
+        return __version__
+
+
+def _search_options(p: argparse.ArgumentParser) -> None:
+    """The options sweep and recommend share: what to search, how, and the Pareto plot."""
+    p.add_argument("--grid", metavar="GRID.yaml", help="axes from a file: dotted keys to lists or ranges "
+                                                       "{start, stop, step} (see fsdp_sim/grid.py)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2",
+                   help="a dotted scenario key and its values, e.g. training.micro_batch=1,2,4 (repeatable; "
+                        "replaces the grid's axis for KEY)")
+    p.add_argument("--max-batch", action="store_true",
+                   help="for each configuration, the largest training.micro_batch that fits (by bisection)")
+    p.add_argument("--jobs", type=int, help="worker processes (default: one per CPU)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the Pareto front: tokens/s per GPU against required "
+                                                      "memory (needs matplotlib)")
+    p.add_argument("--color-by", metavar="KEY[,KEY]", help="the swept keys that colour the plot (default: the first "
+                                                         "axis's)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fsdp-sim", description="Simulate one PyTorch FSDP training step.")
+    parser.add_argument("--version", action="version", version=f"fsdp-sim {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="simulate a scenario file and print the summary")
     run.add_argument("scenario", help="path to a scenario YAML file")
@@ -126,17 +234,27 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeline-csv", metavar="FILE", help="write the memory timeline as CSV")
     run.add_argument("--plot", metavar="FILE.png", help="draw memory by category and the streams (needs matplotlib)")
     run.add_argument("--safety-margin", type=float, metavar="FRACTION", help="memory kept free (default: scenario, 0.10)")
+    run.add_argument("--require-fit", action="store_true", help="exit 1 when the step does not fit (for CI)")
     run.add_argument("-q", "--quiet", action="store_true", help="print nothing; write only the files asked for")
     run.set_defaults(func=_run)
     sweep = sub.add_parser("sweep", help="simulate every combination of a few scenario keys, in parallel",
-                           description="Simulate the cartesian product of the --set values over a base scenario.")
+                           description="Simulate the cartesian product of a grid file's and the --set values over "
+                                       "a base scenario. Exit 1 when every point failed.")
     sweep.add_argument("scenario", help="path to the base scenario YAML file")
-    sweep.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2",
-                       help="a dotted scenario key and its values, e.g. training.micro_batch=1,2,4 (repeatable)")
-    sweep.add_argument("--jobs", type=int, help="worker processes (default: one per CPU)")
+    _search_options(sweep)
     sweep.add_argument("-o", "--output", metavar="FILE", help="write every row as CSV (or JSON for .json)")
     sweep.add_argument("-q", "--quiet", action="store_true", help="print nothing")
     sweep.set_defaults(func=_sweep)
+    rec = sub.add_parser("recommend", help="the fastest configuration that fits, why, and the runners-up",
+                         description="Sweep a grid (default: wrap, prefetch, sharding, checkpointing, micro-batch) "
+                                     "and pick the most tokens/s per GPU whose required memory fits the budget. "
+                                     "Exit 1 when nothing fits.")
+    rec.add_argument("scenario", help="path to the base scenario YAML file")
+    _search_options(rec)
+    rec.add_argument("--top", type=int, default=3, metavar="N", help="runners-up to show (default 3)")
+    rec.add_argument("--json", metavar="FILE", help="write the recommendation and every row as JSON")
+    rec.add_argument("-q", "--quiet", action="store_true", help="print nothing")
+    rec.set_defaults(func=_recommend)
     trace = sub.add_parser("trace", help="trace a PyTorch model (fake tensors, CPU) into a workload file",
                            description="Run one forward and backward of factory()'s model on fake tensors and write "
                                        "its workload (reference it from a scenario as model: {workload: FILE}).")

@@ -1,36 +1,38 @@
 """Sweeps: one scenario, the cartesian product of a few of its keys, simulated in parallel processes.
 
-`--set fsdp.wrap=per_block,whole_model --set training.micro_batch=1,2,4` gives six points. A point whose
-combination is impossible (a shard size that does not divide the world, say) becomes a row with its
-error; a key that exists in no scenario is a bad input for the whole sweep.
+`--set fsdp.wrap=per_block,whole_model --set training.micro_batch=1,2,4` gives six points; `--grid FILE`
+gives axes from a file (fsdp_sim/grid.py). A point whose combination is impossible (a shard size that
+does not divide the world, say) becomes a row with its error; a key that exists in no scenario is a bad
+input for the whole sweep.
+
+The base file is read once; each point is parsed, simulated and reduced to the row's figures (no
+live-buffer list, no units table, no exporters). `max_batch=True` replaces the micro-batch axis by a
+search: for each point, the largest `training.micro_batch` that fits (`largest_fitting`).
 """
 
 from __future__ import annotations
 
 import copy
-import itertools
+import sys
+from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from fsdp_sim.datafile import read_data
 from fsdp_sim.errors import ScenarioError
+from fsdp_sim.grid import Axis, columns, combinations, combine, load_grid, parse_assignment
 from fsdp_sim.scenario import parse_scenario
 from fsdp_sim.simulate import simulate
+
+__all__ = ["COLUMNS", "parse_assignment", "points", "run_point", "largest_fitting", "search_axes", "sweep", "sweep_points"]
 
 COLUMNS = ("step_time_s", "tokens_per_s_per_gpu", "tokens_per_step", "peak_allocated_bytes", "peak_reserved_bytes",
            "required_bytes", "fits", "headroom_bytes", "communication_exposed_s", "overlap_fraction", "mfu",
            "cpu_bound_s", "peak_phase", "error")
-
-
-def parse_assignment(text: str) -> tuple[str, list[Any]]:
-    """`key.path=v1,v2` -> ("key.path", [v1, v2]); values are YAML scalars (1 -> int, true -> bool)."""
-    key, sep, values = text.partition("=")
-    if not sep or not key or not values:
-        raise ScenarioError(f"--set {text!r}: expected KEY=VALUE[,VALUE...], e.g. fsdp.wrap=per_block,whole_model")
-    return key, [yaml.safe_load(v) for v in values.split(",")]
+MICRO_BATCH = "training.micro_batch"
+MAX_BATCH_LIMIT = 4096
 
 
 def _assign(data: dict, key: str, value: Any) -> None:
@@ -48,48 +50,155 @@ def _assign(data: dict, key: str, value: Any) -> None:
     node[leaf] = value
 
 
-def points(base: dict, axes: list[tuple[str, list[Any]]]) -> list[tuple[dict, dict]]:
+def _axes(axes: Iterable[Axis | tuple[str, list]]) -> list[Axis]:
+    return [a if isinstance(a, Axis) else Axis.of(*a) for a in axes]
+
+
+def points(base: dict, axes: Iterable[Axis | tuple[str, list]]) -> list[tuple[dict, dict]]:
     """(the swept values, the scenario data) for every combination, in the order the axes were given."""
     out = []
-    for combo in itertools.product(*(values for _, values in axes)):
+    for chosen in combinations(_axes(axes)):
         data = copy.deepcopy(base)
-        chosen = {}
-        for (key, _), value in zip(axes, combo):
+        for key, value in chosen.items():
             _assign(data, key, value)
-            chosen[key] = value
         out.append((chosen, data))
     return out
+
+
+def _row(result) -> dict:
+    """The sweep figures of a step: what `to_dict()` gives, without the live buffers and the units."""
+    memory = result.memory
+    at = result.peak_row
+    op = memory.events[at - 1][0] if at else None
+    reserved = memory.reserved_bytes
+    mem = result.memory_summary({"reserved_bytes": reserved})
+    comm, comp, tp = result.communication(), result.compute(), result.throughput()
+    return {"step_time_s": result.step_time_s, "tokens_per_s_per_gpu": tp["tokens_per_s_per_gpu"],
+            "tokens_per_step": tp["tokens_per_step"], "peak_allocated_bytes": int(memory.levels[at].sum()),
+            "peak_reserved_bytes": reserved, "required_bytes": mem["required_bytes"], "fits": mem["fits"],
+            "headroom_bytes": mem["headroom_bytes"], "communication_exposed_s": comm["exposed_s"],
+            "overlap_fraction": comm["overlap_fraction"], "mfu": comp["mfu"],
+            "cpu_bound_s": comp["breakdown"]["cpu_bound_s"], "peak_phase": op.phase if op else "before step",
+            "error": ""}
 
 
 def run_point(data: dict, base: Path) -> dict:
     """The figures of one point, or its error (one line) when the combination is not valid."""
     try:
-        d = simulate(parse_scenario(data, name="sweep", base=base)).to_dict()
+        return _row(simulate(parse_scenario(data, name="sweep", base=base)))
     except ScenarioError as exc:
         return {"error": str(exc)}
-    return {"step_time_s": d["step_time_s"], "tokens_per_s_per_gpu": d["throughput"]["tokens_per_s_per_gpu"],
-            "tokens_per_step": d["throughput"]["tokens_per_step"], "peak_allocated_bytes": d["peak"]["allocated_bytes"],
-            "peak_reserved_bytes": d["peak"]["reserved_bytes"], "required_bytes": d["memory"]["required_bytes"],
-            "fits": d["memory"]["fits"], "headroom_bytes": d["memory"]["headroom_bytes"],
-            "communication_exposed_s": d["communication"]["exposed_s"],
-            "overlap_fraction": d["communication"]["overlap_fraction"], "mfu": d["compute"]["mfu"],
-            "cpu_bound_s": d["compute"]["breakdown"]["cpu_bound_s"], "peak_phase": d["peak"]["phase"], "error": ""}
 
 
-def sweep(path: str, assignments: list[str], *, jobs: int | None = None) -> tuple[list[str], list[dict]]:
-    """Run every point of the sweep; returns the swept keys and one row per point."""
+def largest_fitting(fits: Callable[[int], bool], limit: int = MAX_BATCH_LIMIT) -> int:
+    """The largest n in [1, limit] with fits(n), for fits true up to some n and false after; 0 when
+    fits(1) is false. Doubles until the first failure, then bisects: about 2 log2(n) calls."""
+    if not fits(1):
+        return 0
+    good, bad = 1, None
+    while bad is None:
+        trial = min(2 * good, limit)
+        if trial == good:
+            return good  # fits at the limit
+        if fits(trial):
+            good = trial
+        else:
+            bad = trial
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def run_max_batch(data: dict, base: Path, limit: int = MAX_BATCH_LIMIT) -> dict:
+    """The row at the largest micro-batch that fits (found by `largest_fitting`), with that micro-batch
+    under MICRO_BATCH; the micro-batch 1 row when even that does not fit."""
+    rows: dict[int, dict] = {}
+
+    def fits(batch: int) -> bool:
+        trial = copy.deepcopy(data)
+        _assign(trial, MICRO_BATCH, batch)
+        rows[batch] = row = run_point(trial, base)
+        if row["error"] and batch == 1:
+            raise ScenarioError(row["error"])  # wrong whatever the batch: the point's error
+        return not row["error"] and row["fits"]
+
+    try:
+        best = largest_fitting(fits, limit)
+    except ScenarioError as exc:
+        return {MICRO_BATCH: 1, "error": str(exc)}
+    return {MICRO_BATCH: max(best, 1)} | rows[max(best, 1)]
+
+
+def _bar(total: int, enabled: bool):
+    """A tqdm progress bar on stderr, or None (not asked for, or tqdm is not installed)."""
+    if not enabled or total < 2:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="config", file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+def sweep_points(datas: list[dict], folder: Path, *, jobs: int | None = None, progress: bool = False,
+                 max_batch: bool = False) -> list[dict]:
+    """One row per scenario data, in order: in this process for jobs=1, else in `jobs` processes."""
+    work = partial(run_max_batch if max_batch else run_point, base=folder)
+    bar = _bar(len(datas), progress)
+    results = []
+    try:
+        if jobs == 1 or len(datas) <= 1:
+            stream = map(work, datas)
+            results = [_tick(bar, r) for r in stream]
+        else:
+            with ProcessPoolExecutor(max_workers=jobs) as pool:
+                chunk = max(1, min(64, len(datas) // (8 * (jobs or 2))))
+                results = [_tick(bar, r) for r in pool.map(work, datas, chunksize=chunk)]
+    finally:
+        if bar is not None:
+            bar.close()
+    return results
+
+
+def _tick(bar, row: dict) -> dict:
+    if bar is not None:
+        bar.update()
+    return row
+
+
+def search_axes(grid: str | None, axes: list[Axis] | None, assignments: Iterable[str]) -> list[Axis]:
+    """The axes of a sweep: the grid file's (or `axes`), with each `--set` replacing its key's axes."""
+    return combine(load_grid(grid) if grid else list(axes or []), list(assignments))
+
+
+def sweep(path: str, assignments: Iterable[str] = (), *, grid: str | None = None, axes: list[Axis] | None = None,
+          jobs: int | None = None, progress: bool = False, max_batch: bool = False) -> tuple[list[str], list[dict]]:
+    """Run every point of the sweep; returns the swept keys and one row per point.
+
+    The axes are the grid file's (or `axes`, e.g. recommend's default space), with `--set` assignments
+    replacing the axes of their keys. With `max_batch` each row is at its largest fitting micro-batch.
+    """
     base = read_data(path, "scenario")
-    if not assignments:
-        raise ScenarioError("--set: give at least one KEY=VALUE[,VALUE...] to sweep")
     if not isinstance(base, dict):
         raise ScenarioError(f"scenario: {path} must hold a mapping")
-    axes = [parse_assignment(a) for a in assignments]
-    todo = points(base, axes)
-    folder = Path(path).parent
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        results = list(pool.map(run_point, [data for _, data in todo], itertools.repeat(folder),
-                                chunksize=max(1, len(todo) // 64)))
+    all_axes = search_axes(grid, axes, assignments)
+    if not all_axes and not max_batch:
+        raise ScenarioError("--set: give at least one KEY=VALUE[,VALUE...] (or --grid FILE) to sweep")
+    if max_batch:
+        if MICRO_BATCH in columns(all_axes):
+            raise ScenarioError(f"--max-batch: searches {MICRO_BATCH} itself; remove it from the grid and --set")
+        if isinstance(base.get("model"), dict) and "workload" in base["model"]:
+            raise ScenarioError("--max-batch: model.workload fixes the micro-batch (the trace's); nothing to search")
+    todo = points(base, all_axes)
+    results = sweep_points([data for _, data in todo], Path(path).parent, jobs=jobs, progress=progress,
+                           max_batch=max_batch)
     for result in results:
-        if "unknown key" in result["error"]:  # a misspelt --set key: the sweep itself is wrong
+        if "unknown key" in result["error"]:  # a misspelt key: the sweep itself is wrong
             raise ScenarioError(result["error"])
-    return [k for k, _ in axes], [chosen | result for (chosen, _), result in zip(todo, results)]
+    keys = columns(all_axes) + ([MICRO_BATCH] if max_batch else [])
+    rows = [dict.fromkeys(keys) | chosen | result for (chosen, _), result in zip(todo, results)]
+    return keys, rows

@@ -57,3 +57,54 @@ def test_cli_writes_csv_and_refuses_unknown_keys(tmp_path, capsys):
     assert main(["sweep", str(path), "--set", "fsdp.wrapp=per_block", "--jobs", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "fsdp.wrapp" in err[0]
+
+
+TINY = {"model": {"hidden": 64, "layers": 2, "heads": 4, "vocab": 256}, "training": {"seq_len": 32},
+        "hardware": {"profile": "h100-sxm"}}
+
+
+def test_rows_carry_every_column_in_csv_and_json(tmp_path):
+    import json
+
+    from fsdp_sim.sweep import COLUMNS
+
+    path = tmp_path / "base.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    for name in ("rows.csv", "rows.json"):
+        out = tmp_path / name
+        assert main(["sweep", str(path), "--set", "training.micro_batch=1,2", "--jobs", "1", "-q", "-o", str(out)]) == 0
+        rows = json.loads(out.read_text()) if name.endswith(".json") else list(csv.DictReader(out.open()))
+        assert len(rows) == 2 and all(set(COLUMNS) <= set(r) for r in rows)
+        assert {"peak_reserved_bytes", "required_bytes", "headroom_bytes", "fits", "mfu", "communication_exposed_s",
+                "tokens_per_s_per_gpu"} <= set(COLUMNS)
+
+
+def test_sweep_and_recommend_plot_the_pareto_front(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "base.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    for command in ("sweep", "recommend"):
+        out = tmp_path / f"{command}.png"
+        argv = [command, str(path), "--set", "training.micro_batch=1,2", "--set", "fsdp.wrap=per_block,whole_model",
+                "--jobs", "1", "-q", "--plot", str(out), "--color-by", "fsdp.wrap"]
+        assert main(argv) == 0
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_progress_bar_only_when_asked_and_installed(monkeypatch):
+    import sys
+
+    from fsdp_sim.sweep import _bar
+
+    assert _bar(100, enabled=False) is None
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # not installed: the sweep runs without a bar
+    assert _bar(100, enabled=True) is None
+
+
+def test_sweep_max_batch_searches_the_micro_batch(tmp_path):
+    path = tmp_path / "base.yaml"
+    path.write_text(yaml.safe_dump(TINY | {"hardware": {"profile": "rtx-4090", "gpus_per_node": 2},
+                                           "training": {"seq_len": 8192}}))
+    keys, rows = sweep(str(path), ["training.activation_checkpointing=none"], max_batch=True, jobs=1)
+    assert keys == ["training.activation_checkpointing", "training.micro_batch"]
+    assert rows[0]["fits"] and rows[0]["training.micro_batch"] > 1

@@ -1,0 +1,194 @@
+"""Sweep grids: which scenario keys take which values, from a grid file and `--set`.
+
+A grid file is YAML, one axis per dotted scenario key:
+
+    training.micro_batch: {start: 1, stop: 8}          # 1, 2, ..., 8 (stop included; step defaults to 1)
+    training.seq_len: {start: 1024, stop: 8192, factor: 2}   # 1024, 2048, 4096, 8192
+    fsdp.backward_prefetch: [true, false]
+    training.activation_checkpointing: {values: [none, full]}
+    fsdp.wrap: per_block                               # one value: set on every point
+    wrap:                                              # a plain name: settings chosen together
+      - {fsdp.wrap: per_block}
+      - {fsdp.wrap: every_k_blocks, fsdp.blocks_per_unit: 2}
+
+The points are the cartesian product of the axes in file order, `--set` axes last. An axis of `--set`
+replaces every grid axis that sets the same key. Bad grids raise `ScenarioError` naming the key.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from fsdp_sim.datafile import read_data
+from fsdp_sim.errors import ScenarioError
+
+SECTIONS = ("name", "model", "training", "hardware", "fsdp", "compute", "report")  # a scenario's top-level keys
+MAX_POINTS = 1_000_000
+_DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_RANGE_KEYS = {"start", "stop", "step", "factor"}
+
+
+@dataclass(frozen=True, slots=True)
+class Axis:
+    """One dimension of a sweep: a name and its options, each a mapping of dotted keys to values."""
+
+    name: str
+    options: tuple[dict[str, Any], ...]
+
+    @classmethod
+    def of(cls, key: str, values) -> Axis:
+        return cls(key, tuple({key: v} for v in values))
+
+    @property
+    def keys(self) -> list[str]:
+        return list(dict.fromkeys(k for option in self.options for k in option))
+
+
+def parse_assignment(text: str) -> tuple[str, list[Any]]:
+    """`key.path=v1,v2` -> ("key.path", [v1, v2]); values are YAML scalars (1 -> int, true -> bool)."""
+    key, sep, values = text.partition("=")
+    if not sep or not key or not values:
+        raise ScenarioError(f"--set {text!r}: expected KEY=VALUE[,VALUE...], e.g. fsdp.wrap=per_block,whole_model")
+    _check_key("--set", key)
+    return key, [yaml.safe_load(v) for v in values.split(",")]
+
+
+def _check_key(where: str, key: Any) -> None:
+    if not isinstance(key, str) or not _DOTTED.match(key):
+        raise ScenarioError(f"{where}: {key!r} is not a dotted scenario key such as training.micro_batch")
+
+
+def _number(where: str, spec: dict, key: str, default=None):
+    value = spec.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ScenarioError(f"{where}.{key}: expected a number, got {value!r}")
+    return value
+
+
+def _range(where: str, spec: dict) -> list:
+    """{start, stop[, step | factor]}: stop included; `factor` multiplies instead of adding."""
+    extra = sorted(set(spec) - _RANGE_KEYS)
+    if extra:
+        raise ScenarioError(f"{where}.{extra[0]}: unknown key, expected one of {sorted(_RANGE_KEYS)} or values")
+    if "step" in spec and "factor" in spec:
+        raise ScenarioError(f"{where}: give step or factor, not both")
+    start, stop = _number(where, spec, "start"), _number(where, spec, "stop")
+    if stop < start:
+        raise ScenarioError(f"{where}: stop {stop} is below start {start}")
+    out = []
+    if "factor" in spec:
+        factor = _number(where, spec, "factor")
+        if factor <= 1 or start <= 0:
+            raise ScenarioError(f"{where}: factor {factor} must exceed 1 and start {start} be positive")
+        value = start
+        while value <= stop * (1 + 1e-9) and len(out) <= MAX_POINTS:
+            out.append(value)
+            value *= factor
+    else:
+        step = _number(where, spec, "step", 1)
+        if step <= 0:
+            raise ScenarioError(f"{where}.step: must be positive, got {step}")
+        count = int((stop - start) / step + 1e-9) + 1
+        if count > MAX_POINTS:
+            raise ScenarioError(f"{where}: {count:,} values, more than {MAX_POINTS:,}")
+        out = [start + i * step for i in range(count)]
+        if all(isinstance(v, int) for v in (start, step)):
+            out = [int(v) for v in out]
+        else:
+            out = [round(v, 12) for v in out]  # 0.1 + 2 * 0.05 is 0.2, not 0.20000000000000004
+    return out
+
+
+def _values(where: str, spec: Any) -> list:
+    if isinstance(spec, list):
+        values = spec
+    elif isinstance(spec, dict):
+        if set(spec) == {"values"}:
+            values = spec["values"]
+            if not isinstance(values, list):
+                raise ScenarioError(f"{where}.values: expected a list, got {values!r}")
+        elif "values" in spec:
+            raise ScenarioError(f"{where}: values goes alone, not beside {sorted(set(spec) - {'values'})}")
+        else:
+            values = _range(where, spec)
+    else:
+        values = [spec]
+    if not values:
+        raise ScenarioError(f"{where}: no values")
+    return values
+
+
+def _bundle(name: str, spec: Any) -> Axis:
+    where = f"grid: {name}"
+    if not isinstance(spec, list) or not spec or not all(isinstance(o, dict) and o for o in spec):
+        raise ScenarioError(f"{where}: a plain name (not a scenario section) takes a list of mappings of dotted "
+                            f"keys set together, e.g. - {{fsdp.wrap: every_k_blocks, fsdp.blocks_per_unit: 2}}")
+    for option in spec:
+        for key in option:
+            _check_key(where, key)
+    return Axis(name, tuple(dict(o) for o in spec))
+
+
+def parse_grid(data: Any) -> list[Axis]:
+    """The axes of a grid file's content (a mapping of dotted keys or named choices)."""
+    if not isinstance(data, dict) or not data:
+        raise ScenarioError("grid: expected a mapping of dotted scenario keys to values, "
+                            "e.g. training.micro_batch: [1, 2, 4]")
+    axes = []
+    for key, spec in data.items():
+        _check_key("grid", key)
+        if "." not in key and key not in SECTIONS:
+            axes.append(_bundle(key, spec))
+        else:
+            axes.append(Axis.of(key, _values(f"grid: {key}", spec)))
+    return _check_disjoint(axes)
+
+
+def load_grid(path: str) -> list[Axis]:
+    return parse_grid(read_data(path, "--grid"))
+
+
+def _check_disjoint(axes: list[Axis]) -> list[Axis]:
+    owner: dict[str, str] = {}
+    for axis in axes:
+        for key in axis.keys:
+            if key in owner:
+                raise ScenarioError(f"grid: {key} is set by both {owner[key]!r} and {axis.name!r}")
+            owner[key] = axis.name
+    return axes
+
+
+def combine(axes: list[Axis], assignments: list[str]) -> list[Axis]:
+    """The grid's axes with each `--set KEY=...` replacing every axis that sets KEY, appended last."""
+    out = list(axes)
+    for text in assignments:
+        key, values = parse_assignment(text)
+        out = [a for a in out if key not in a.keys] + [Axis.of(key, values)]
+    out = _check_disjoint(out)
+    count = 1
+    for axis in out:
+        count *= len(axis.options)
+    if count > MAX_POINTS:
+        raise ScenarioError(f"grid: {count:,} points, more than {MAX_POINTS:,}; sweep fewer values")
+    return out
+
+
+def columns(axes: list[Axis]) -> list[str]:
+    """The swept keys, as row columns, in axis order."""
+    return list(dict.fromkeys(k for axis in axes for k in axis.keys))
+
+
+def combinations(axes: list[Axis]) -> list[dict[str, Any]]:
+    """Every point as {dotted key: value} of the keys its options set, the last axis varying fastest."""
+    out = []
+    for combo in itertools.product(*(axis.options for axis in axes)):
+        chosen: dict[str, Any] = {}
+        for option in combo:
+            chosen.update(option)
+        out.append(chosen)
+    return out

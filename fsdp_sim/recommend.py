@@ -1,0 +1,152 @@
+"""`fsdp-sim recommend`: the fastest configuration that fits, why not a faster one, and the runners-up.
+
+Configurations are compared by tokens/s per GPU (a larger micro-batch does more work per step, so step
+time alone would favour the smallest batch), ties going to the one that needs less memory. The search
+space is a grid file, or `default_axes`: the FSDP knobs the scenario format has, applied to the base.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fsdp_sim.grid import Axis
+from fsdp_sim.results.report import fmt_bytes, fmt_time
+from fsdp_sim.scenario import parse_scenario
+
+SIGNIFICANT = 0.05  # a share of the step below which exposed communication or CPU-bound time limits nothing
+MICRO_BATCHES = (1, 2, 4, 8)
+
+
+def default_axes(base: dict, folder: Path, *, micro_batch: bool = True) -> list[Axis]:
+    """The default search space for `base`: wrap granularity (per block, every 2 or 4 blocks, whole model),
+    backward prefetch, sharding strategy (with reshard_after_forward as it implies, and HSDP with one
+    node's GPUs per shard group when there is more than one node), activation checkpointing and the
+    micro-batch (not for a traced workload, whose trace fixed it)."""
+    scenario = parse_scenario(base, name="recommend", base=folder)  # a bad base fails here, as one line
+    cluster = scenario.cluster
+    blocks = sum(m.is_block for m in scenario.workload.modules)
+    wrap = [{"fsdp.wrap": "per_block"}]
+    wrap += [{"fsdp.wrap": "every_k_blocks", "fsdp.blocks_per_unit": k} for k in (2, 4) if k < blocks]
+    wrap += [{"fsdp.wrap": "whole_model"}]
+    world, gpn = cluster.world_size, cluster.gpus_per_node
+    sharding = [{"fsdp.sharding_strategy": "FULL_SHARD", "fsdp.reshard_after_forward": True, "fsdp.shard_size": world},
+                {"fsdp.sharding_strategy": "SHARD_GRAD_OP", "fsdp.reshard_after_forward": False,
+                 "fsdp.shard_size": world}]
+    if cluster.nodes > 1:
+        sharding += [{"fsdp.sharding_strategy": "HYBRID_SHARD", "fsdp.reshard_after_forward": True, "fsdp.shard_size": gpn},
+                     {"fsdp.sharding_strategy": "_HYBRID_SHARD_ZERO2", "fsdp.reshard_after_forward": False,
+                      "fsdp.shard_size": gpn}]
+    axes = [Axis("wrap", tuple(wrap)), Axis.of("fsdp.backward_prefetch", [True, False]),
+            Axis("sharding", tuple(sharding)), Axis.of("training.activation_checkpointing", ["none", "full"])]
+    traced = isinstance(base.get("model"), dict) and "workload" in base["model"]
+    if micro_batch and not traced:
+        axes.append(Axis.of("training.micro_batch", list(MICRO_BATCHES)))
+    return axes
+
+
+def _rank(row: dict) -> tuple:
+    return (-row["tokens_per_s_per_gpu"], row["required_bytes"])
+
+
+def _differs(row: dict, best: dict, keys: list[str]) -> dict[str, Any]:
+    return {k: row.get(k) for k in keys if row.get(k) != best.get(k)}
+
+
+def _value(v: Any) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)  # as --set takes it back
+
+
+def _setting(values: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={_value(v)}" for k, v in values.items() if v is not None) or "the same settings"
+
+
+def _budget(row: dict) -> int:
+    return row["required_bytes"] + row["headroom_bytes"]
+
+
+def _limit_of_fastest(best: dict, total: int) -> tuple[str, str]:
+    """What holds back the fastest configuration of all: exposed communication, the CPU, or compute."""
+    step, exposed, cpu = best["step_time_s"], best["communication_exposed_s"], best["cpu_bound_s"]
+    shares = f"MFU {100 * best['mfu']:.1f} %, exposed communication {fmt_time(exposed)}, CPU-bound {fmt_time(cpu)}"
+    head = f"the fastest of all {total} configurations"
+    if max(exposed, cpu) < SIGNIFICANT * step:
+        return "compute", f"compute: {head}, its step is kernels ({shares})"
+    if exposed >= cpu:
+        return ("exposed_communication", f"exposed communication: {head}; {fmt_time(exposed)} of its "
+                f"{fmt_time(step)} step is communication compute does not hide ({shares})")
+    return ("cpu_bound", f"CPU-bound: {head}; the compute stream waits {fmt_time(cpu)} of its {fmt_time(step)} "
+            f"step for the CPU to launch kernels ({shares})")
+
+
+def recommend(rows: list[dict], keys: list[str], *, top: int = 3) -> dict:
+    """The recommendation from sweep rows: `best` (fastest that fits), `limit` and `reason` (what stops
+    the next faster configuration, or the fastest one), `next_faster` (of the faster configurations, the
+    one fewest settings away from the best, then the least faster), `runners_up` (the next fitting
+    configurations with figures unlike the best's, each with its trade-off) and `counts`."""
+    ok = [r for r in rows if not r.get("error")]
+    fitting = sorted((r for r in ok if r["fits"]), key=_rank)
+    counts = {"configurations": len(rows), "fit": len(fitting), "do_not_fit": len(ok) - len(fitting),
+              "errors": len(rows) - len(ok)}
+    out = {"keys": keys, "counts": counts, "best": None, "limit": None, "reason": "", "next_faster": None,
+           "runners_up": []}
+    if not fitting:
+        if ok:
+            least = min(ok, key=lambda r: r["required_bytes"])
+            out["limit"], out["reason"] = "memory", (
+                f"memory: nothing fits; the smallest ({_setting({k: least.get(k) for k in keys})}) needs "
+                f"{fmt_bytes(least['required_bytes'])} of a {fmt_bytes(_budget(least))} budget")
+        else:
+            out["limit"], out["reason"] = "errors", f"every configuration failed: {rows[0]['error'] if rows else 'none'}"
+        return out
+    best = fitting[0]
+    out["best"] = best
+    faster = [r for r in ok if r["tokens_per_s_per_gpu"] > best["tokens_per_s_per_gpu"]]  # none of them fits
+    if faster:  # the nearest: fewest settings changed from the best, then the smallest gain
+        nxt = min(faster, key=lambda r: (len(_differs(r, best, keys)), r["tokens_per_s_per_gpu"], r["required_bytes"]))
+        gain = nxt["tokens_per_s_per_gpu"] / best["tokens_per_s_per_gpu"] - 1
+        out["next_faster"], out["limit"] = nxt, "memory"
+        out["reason"] = (f"memory: the next faster ({_setting(_differs(nxt, best, keys))}) gives {100 * gain:+.1f} % "
+                         f"tokens/s per GPU but needs {fmt_bytes(nxt['required_bytes'])}, "
+                         f"{fmt_bytes(-nxt['headroom_bytes'])} over the {fmt_bytes(_budget(nxt))} budget")
+    else:
+        out["limit"], out["reason"] = _limit_of_fastest(best, len(ok))
+    seen = {(best["tokens_per_s_per_gpu"], best["required_bytes"])}
+    for row in fitting[1:]:
+        figures = (row["tokens_per_s_per_gpu"], row["required_bytes"])
+        if figures in seen:
+            continue  # the same trade-off under another name (a knob that changes nothing here)
+        seen.add(figures)
+        out["runners_up"].append({
+            "row": row, "differs": _differs(row, best, keys),
+            "tokens_per_s_change": row["tokens_per_s_per_gpu"] / best["tokens_per_s_per_gpu"] - 1,
+            "required_change_bytes": row["required_bytes"] - best["required_bytes"]})
+        if len(out["runners_up"]) == top:
+            break
+    return out
+
+
+def explain(rec: dict) -> str:
+    """The recommendation as text; every number with its unit."""
+    c = rec["counts"]
+    tally = (f"{c['configurations']} configurations: {c['fit']} fit, {c['do_not_fit']} do not"
+             + (f", {c['errors']} failed" if c["errors"] else ""))
+    best = rec["best"]
+    if best is None:
+        return f"No configuration fits.\nWhy          {rec['reason']}\n{tally}"
+    lines = [
+        "Recommended  " + _setting({k: best.get(k) for k in rec["keys"]}),
+        f"  {best['tokens_per_s_per_gpu']:.0f} tokens/s per GPU, step {fmt_time(best['step_time_s'])}, "
+        f"MFU {100 * best['mfu']:.1f} %, required {fmt_bytes(best['required_bytes'])} of "
+        f"{fmt_bytes(_budget(best))} (headroom {fmt_bytes(best['headroom_bytes'])})",
+        f"Why          {rec['reason']}",
+    ]
+    if rec["runners_up"]:
+        lines.append("Runners-up")
+    for r in rec["runners_up"]:
+        change = r["required_change_bytes"]
+        lines.append(f"  {100 * r['tokens_per_s_change']:+6.1f} % tokens/s, "
+                     f"{('+' if change >= 0 else '') + fmt_bytes(change):>11} required, "
+                     f"headroom {fmt_bytes(r['row']['headroom_bytes'])}: {_setting(r['differs'])}")
+    lines.append(tally)
+    return "\n".join(lines)

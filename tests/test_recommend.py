@@ -1,0 +1,165 @@
+"""`fsdp-sim recommend`: a toy grid whose winner can be read off its rows, the reasons, the default
+search space, and `--max-batch` by bisection."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import yaml
+
+from fsdp_sim.cli import main
+from fsdp_sim.recommend import default_axes, explain, recommend
+from fsdp_sim.scenario import parse_scenario
+from fsdp_sim.simulate import simulate
+from fsdp_sim.sweep import largest_fitting, sweep
+
+# Activations dominate this model's memory: required ~ 1.5 GiB + 0.8 GiB per sequence without activation
+# checkpointing, ~ 0.16 GiB per sequence with it. A 75 % margin leaves a 6.0 GiB budget of the 4090's 24 GiB.
+TOY = {"model": {"hidden": 512, "layers": 8, "heads": 8, "vocab": 1024}, "training": {"seq_len": 4096},
+       "hardware": {"profile": "rtx-4090", "nodes": 1, "gpus_per_node": 2}, "report": {"safety_margin": 0.75}}
+GRID = {"training.micro_batch": [1, 2, 4, 8], "training.activation_checkpointing": ["none", "full"]}
+
+
+def _files(tmp_path, scenario=TOY, grid=GRID):
+    s, g = tmp_path / "toy.yaml", tmp_path / "grid.yaml"
+    s.write_text(yaml.safe_dump(scenario))
+    g.write_text(yaml.safe_dump(grid, sort_keys=False))
+    return str(s), str(g)
+
+
+def _row(tps, required, fits=True, step=1.0, exposed=0.0, cpu=0.0, **keys):
+    return {**keys, "tokens_per_s_per_gpu": tps, "required_bytes": required, "headroom_bytes": 100 - required,
+            "fits": fits, "step_time_s": step, "communication_exposed_s": exposed, "cpu_bound_s": cpu, "mfu": 0.5,
+            "error": ""}
+
+
+def test_toy_grid_winner_is_the_fastest_fitting_row(tmp_path, capsys):
+    """Read the rows: without checkpointing, 8 sequences need ~8 GiB (over the 6 GiB budget) and 4 need ~4.8;
+    checkpointing fits all but is ~20 % slower. So 4 sequences without checkpointing win, held back by memory."""
+    scenario, grid = _files(tmp_path)
+    out = tmp_path / "rec.json"
+    assert main(["recommend", scenario, "--grid", grid, "--jobs", "1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    rec = json.loads(out.read_text())
+    rows = rec["rows"]
+    assert len(rows) == 8 and all(r["error"] == "" for r in rows)
+    fitting = [r for r in rows if r["fits"]]
+    assert rec["best"] == max(fitting, key=lambda r: r["tokens_per_s_per_gpu"])
+    best = rec["best"]
+    assert (best["training.micro_batch"], best["training.activation_checkpointing"]) == (4, "none")
+    assert rec["limit"] == "memory" and rec["reason"].startswith("memory: the next faster (training.micro_batch=8)")
+    nxt = rec["next_faster"]
+    assert not nxt["fits"] and nxt["tokens_per_s_per_gpu"] > best["tokens_per_s_per_gpu"]
+    assert rec["counts"] == {"configurations": 8, "fit": 7, "do_not_fit": 1, "errors": 0}
+    assert [(r["row"]["training.micro_batch"], r["row"]["training.activation_checkpointing"])
+            for r in rec["runners_up"]] == [(2, "none"), (1, "none"), (8, "full")]
+    assert all(r["tokens_per_s_change"] < 0 for r in rec["runners_up"])
+    assert "Recommended  training.micro_batch=4, training.activation_checkpointing=none" in text and "GiB" in text
+
+
+def test_fastest_of_all_is_limited_by_what_its_step_spends():
+    keys = ["k"]
+    rows = [_row(10, 10, k=1), _row(20, 20, step=1.0, exposed=0.3, cpu=0.1, k=2)]
+    assert recommend(rows, keys)["limit"] == "exposed_communication"
+    rows[1]["cpu_bound_s"] = 0.4
+    rec = recommend(rows, keys)
+    assert rec["limit"] == "cpu_bound" and "CPU" in rec["reason"] and rec["best"]["k"] == 2
+    rows[1].update(cpu_bound_s=0.01, communication_exposed_s=0.01)
+    assert recommend(rows, keys)["limit"] == "compute"
+
+
+def test_next_faster_is_the_nearest_setting_and_runners_up_skip_equal_figures():
+    keys = ["a", "b"]
+    rows = [_row(10, 50, a=1, b=1), _row(10, 50, a=1, b=2),  # the same figures under two names
+            _row(9, 30, a=2, b=1), _row(30, 200, fits=False, a=3, b=3), _row(12, 120, fits=False, a=2, b=2),
+            _row(11, 110, fits=False, a=1, b=3), {"a": 9, "b": 9, "error": "bad"}]
+    rec = recommend(rows, keys)
+    assert rec["best"] == rows[0] and rec["next_faster"] == rows[5]  # one setting away, not the least faster
+    assert [r["row"] for r in rec["runners_up"]] == [rows[2]]
+    assert rec["runners_up"][0]["differs"] == {"a": 2} and rec["runners_up"][0]["required_change_bytes"] == -20
+    assert rec["counts"] == {"configurations": 7, "fit": 3, "do_not_fit": 3, "errors": 1}
+    assert "b=3" in rec["reason"] and "1 failed" in explain(rec)
+
+
+def test_nothing_fits_and_every_error():
+    rec = recommend([_row(10, 150, fits=False, k=1), _row(5, 120, fits=False, k=2)], ["k"])
+    assert rec["best"] is None and rec["limit"] == "memory" and "k=2" in rec["reason"]
+    assert explain(rec).startswith("No configuration fits.")
+    assert recommend([{"k": 1, "error": "boom"}], ["k"])["limit"] == "errors"
+
+
+def test_default_search_space_uses_the_keys_that_exist(tmp_path):
+    one_node = default_axes(TOY, tmp_path)
+    assert [a.name for a in one_node] == ["wrap", "fsdp.backward_prefetch", "sharding",
+                                          "training.activation_checkpointing", "training.micro_batch"]
+    assert [o.get("fsdp.blocks_per_unit") for o in one_node[0].options] == [None, 2, 4, None]
+    assert [o["fsdp.sharding_strategy"] for o in one_node[2].options] == ["FULL_SHARD", "SHARD_GRAD_OP"]
+    two_nodes = default_axes(TOY | {"hardware": {"profile": "h100-sxm", "nodes": 2}}, tmp_path, micro_batch=False)
+    hybrid = [o for o in two_nodes[2].options if "HYBRID" in o["fsdp.sharding_strategy"]]
+    assert len(hybrid) == 2 and all(o["fsdp.shard_size"] == 8 for o in hybrid)
+    assert "training.micro_batch" not in [a.name for a in two_nodes]
+    for axis in one_node[:4]:  # every default option is a valid scenario
+        for option in axis.options:
+            data = yaml.safe_load(yaml.safe_dump(TOY))
+            for key, value in option.items():
+                section, leaf = key.split(".")
+                data.setdefault(section, {})[leaf] = value
+            parse_scenario(data)
+
+
+def test_recommend_default_space_end_to_end(tmp_path, capsys):
+    small = TOY | {"model": {"hidden": 64, "layers": 2, "heads": 4, "vocab": 256}, "training": {"seq_len": 64}}
+    scenario, _ = _files(tmp_path, small)
+    assert main(["recommend", scenario, "--jobs", "2", "--top", "1"]) == 0
+    text = capsys.readouterr().out
+    # two blocks: wrap per_block or whole_model (every_k_blocks needs more blocks than k), x 2 prefetch
+    # x 2 sharding x 2 checkpointing x 4 micro-batches
+    assert "Recommended" in text and "64 configurations: 64 fit, 0 do not" in text
+    assert text.count("\n  ") == 2  # the figures line and one runner-up
+
+
+# ---- the largest micro-batch that fits -------------------------------------------------------------
+@pytest.mark.parametrize("boundary", [1, 2, 3, 5, 37, 64, 100, 1000, 4095])
+def test_bisection_finds_the_boundary_in_logarithmic_calls(boundary):
+    calls = []
+
+    def fits(n: int) -> bool:
+        calls.append(n)
+        return n <= boundary  # closed form: everything up to the boundary fits
+
+    assert largest_fitting(fits, limit=4096) == boundary
+    assert len(calls) <= 2 * math.ceil(math.log2(boundary + 1)) + 1, calls
+    assert len(set(calls)) == len(calls)  # never asks twice
+
+
+def test_bisection_edges():
+    assert largest_fitting(lambda n: False) == 0
+    assert largest_fitting(lambda n: True, limit=100) == 100
+    assert largest_fitting(lambda n: n <= 99, limit=100) == 99
+
+
+def test_max_batch_rows_are_at_the_true_boundary(tmp_path):
+    """Each row's micro-batch fits and one more sequence does not (checked by single runs)."""
+    scenario, _ = _files(tmp_path)
+    keys, rows = sweep(scenario, ["training.activation_checkpointing=none,full"], max_batch=True, jobs=2)
+    assert keys == ["training.activation_checkpointing", "training.micro_batch"]
+    for row in rows:
+        batch = row["training.micro_batch"]
+        assert row["fits"] and batch > 1
+
+        def fits(b: int) -> bool:
+            data = yaml.safe_load(yaml.safe_dump(TOY))
+            data["training"].update(micro_batch=b, activation_checkpointing=row["training.activation_checkpointing"])
+            return simulate(parse_scenario(data)).to_dict()["memory"]["fits"]
+
+        assert fits(batch) and not fits(batch + 1)
+    assert rows[0]["training.micro_batch"] < rows[1]["training.micro_batch"]  # checkpointing fits more
+
+
+def test_max_batch_refuses_a_micro_batch_axis(tmp_path, capsys):
+    scenario, grid = _files(tmp_path)
+    assert main(["recommend", scenario, "--grid", grid, "--max-batch", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--max-batch" in err
