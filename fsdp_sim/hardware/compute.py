@@ -18,14 +18,19 @@ class ComputeCosts:
     def __init__(self, gpu, dtype: str, options: ComputeOptions) -> None:
         self.gpu, self.dtype, self.options = gpu, dtype, options
         self.matmul_flops = gemm_rate(gpu, dtype, options.allow_tf32)
+        self._launch = {False: launch_cost_s(False, options), True: launch_cost_s(True, options)}
         self._cache: dict[tuple, KernelTimes] = {}
+        self._by_op: dict[int, KernelTimes] = {}  # the engine and the analysis ask about one op many times
 
     def times(self, op: Op) -> KernelTimes:
-        # ops of identical content (every block's forward) share one pricing
-        key = (op.kind, op.kernel_pass, op.flops, op.hbm_bytes, op.measured_s, op.launches, id(op.kernels))
-        t = self._cache.get(key)
+        t = self._by_op.get(op.id)
         if t is None:
-            t = self._cache[key] = self._price(op)
+            # ops of identical content (every block's forward) share one pricing
+            key = (op.kind, op.kernel_pass, op.flops, op.hbm_bytes, op.measured_s, op.launches, id(op.kernels))
+            t = self._cache.get(key)
+            if t is None:
+                t = self._cache[key] = self._price(op)
+            self._by_op[op.id] = t
         return t
 
     def _price(self, op: Op) -> KernelTimes:
@@ -44,6 +49,5 @@ class ComputeCosts:
         kind = op.kind
         if kind == "alloc" or kind == "free":
             return 0.0
-        backward = op.phase.startswith("backward")
-        launches = 1 if kind in COLLECTIVES else self.times(op).launches
-        return launches * launch_cost_s(backward, self.options)
+        cost = self._launch[op.phase.startswith("backward")]
+        return cost if kind in COLLECTIVES else self.times(op).launches * cost

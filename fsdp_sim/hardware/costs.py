@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from fsdp_sim.hardware.collectives import ProcessGroup, collective_time, link_loads, shared_slowdown
 from fsdp_sim.hardware.compute import ComputeCosts
-from fsdp_sim.hardware.kernels import ComputeOptions, KernelTimes
+from fsdp_sim.hardware.kernels import ComputeOptions
 from fsdp_sim.hardware.profiles import Cluster
 from fsdp_sim.schedule.ops import COLLECTIVES, Op
 
@@ -35,6 +35,8 @@ class OpCosts:
         gpu, gpn = cluster.gpu, cluster.gpus_per_node
         self.gpu = gpu
         self.compute = ComputeCosts(gpu, compute_dtype, options)
+        self.times = self.compute.times  # GPU time by class of a compute-stream op run alone
+        self.host_s = self.compute.host_s  # the CPU issue thread's time for an op
         shard_nodes = -(-shard_size // gpn)
         replicate_nodes = replicate_size if shard_size >= gpn else cluster.nodes
         self.groups = {
@@ -59,12 +61,6 @@ class OpCosts:
             return self.compute.duration(op)
         return 0.0
 
-    def times(self, op: Op) -> KernelTimes:
-        """GPU time by class of a compute-stream op run alone."""
-        return self.compute.times(op)
-
-    def host_s(self, op: Op) -> float:
-        return self.compute.host_s(op)
 
     def _hbm_demand(self, op: Op) -> float:
         """HBM bytes/s a running collective draws: its link traffic per second, three times over."""
