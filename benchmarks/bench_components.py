@@ -2,8 +2,8 @@
 
 Run: python benchmarks/bench_components.py
 A row whose model figure is far from its reference is a component to fix, never a constant to tune:
-the step time is only as right as these pieces. Reference keys are those of
-/work/shared/reference/component-timing.md ([C#]) and hardware.md ([S#]).
+the step time is only as right as these pieces. Reference keys ([C#], [S#]) are listed with their
+public sources in hardware_profiles/README.md ("Source keys").
 """
 
 from __future__ import annotations

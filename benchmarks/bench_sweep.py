@@ -6,7 +6,12 @@ bf16 = 10,000 points. Points run in a fixed shuffled order in chunks of CHUNK un
 spent; the rate of what ran is extrapolated to all 10,000. Then one core's cost per point, split into
 parsing, simulating, and reducing to a row (against the full `to_dict()` a `run` builds).
 
-Run: python benchmarks/bench_sweep.py [BUDGET_S=60] [JOBS=all cores]
+EXECUTORS (comma-separated, default local) are where the points run (fsdp_sim/executors.py): `local`
+processes, `dask-local` (a Dask LocalCluster of JOBS single-threaded worker processes; its start-up is
+timed apart), or `dask=ADDRESS` (an existing cluster). Each gets the same budget.
+
+Run: python benchmarks/bench_sweep.py [BUDGET_S=60] [JOBS=all cores] [EXECUTORS=local]
+e.g. python benchmarks/bench_sweep.py 60 2 local,dask-local
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import time
 from pathlib import Path
 
 from fsdp_sim.datafile import read_data
+from fsdp_sim.executors import open_runner
 from fsdp_sim.grid import Axis, combine
 from fsdp_sim.scenario import parse_scenario
 from fsdp_sim.simulate import simulate
@@ -40,19 +46,24 @@ AXES = [
 ]
 
 
-def throughput(budget_s: float, jobs: int | None) -> None:
+def throughput(budget_s: float, jobs: int | None, executor: str = "local") -> None:
     base = read_data(SCENARIO, "scenario")  # parsed once for the whole sweep
     todo = [data for _, data in points(base, combine(AXES, []))]
     random.Random(0).shuffle(todo)
-    done, errors, t0 = 0, 0, time.perf_counter()
-    while done < len(todo) and time.perf_counter() - t0 < budget_s:
-        rows = sweep_points(todo[done:done + CHUNK], SCENARIO.parent, jobs=jobs)
-        errors += sum(bool(r["error"]) for r in rows)
-        done += len(rows)
-    elapsed = time.perf_counter() - t0
+    name, _, scheduler = executor.partition("=")
+    t_open = time.perf_counter()
+    with open_runner(name, jobs=jobs, scheduler=scheduler or None) as runner:
+        started = time.perf_counter() - t_open
+        workers = runner.workers() if hasattr(runner, "client") else getattr(runner, "jobs", 1)
+        done, errors, t0 = 0, 0, time.perf_counter()
+        while done < len(todo) and time.perf_counter() - t0 < budget_s:
+            rows = sweep_points(todo[done:done + CHUNK], SCENARIO.parent, runner=runner)
+            errors += sum(bool(r["error"]) for r in rows)
+            done += len(rows)
+        elapsed = time.perf_counter() - t0
     rate = done / elapsed
-    print(f"sweep: {done:,} of {len(todo):,} llama3-8b configurations in {elapsed:.1f} s: {rate:.0f} configurations/s "
-          f"on {jobs or os.cpu_count()} processes ({errors} rows with errors)")
+    print(f"sweep [{name}]: {done:,} of {len(todo):,} llama3-8b configurations in {elapsed:.1f} s: {rate:.0f} "
+          f"configurations/s on {workers} workers ({errors} rows with errors; start-up {started:.1f} s apart)")
     if done < len(todo):
         print(f"  extrapolated: all {len(todo):,} in {len(todo) / rate:.0f} s")
 
@@ -80,5 +91,7 @@ def one_core(repeats: int = 30) -> None:
 if __name__ == "__main__":
     budget = float(sys.argv[1]) if len(sys.argv) > 1 else 60.0
     jobs = int(sys.argv[2]) if len(sys.argv) > 2 else None
+    executors = sys.argv[3].split(",") if len(sys.argv) > 3 else ["local"]
     one_core()
-    throughput(budget, jobs)
+    for executor in executors:
+        throughput(budget, jobs, executor)

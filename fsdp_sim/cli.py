@@ -1,6 +1,8 @@
-"""`fsdp-sim run SCENARIO [--json F] [--trace F] [--timeline-csv F] [--plot F] [--require-fit]`;
+"""`fsdp-sim run SCENARIO [--json F] [--trace F] [--timeline-csv F] [--memory-snapshot F] [--plot F] [--html F]
+[--require-fit]`;
 `fsdp-sim sweep SCENARIO [--grid GRID] [--set KEY=V1,V2 ...] [-o rows.csv] [--plot F]`;
-`fsdp-sim recommend SCENARIO [--grid GRID] [--max-batch] [--json F] [--plot F]`;
+`fsdp-sim recommend SCENARIO [--grid GRID] [--max-batch] [--json F] [--plot F]`
+(both `[--html F] [--executor local|dask|dask-local] [--scheduler ADDRESS]`);
 `fsdp-sim trace package.module:factory --batch B --seq S -o workload.yaml`; `fsdp-sim --version`.
 
 Argument parsing, file writing and error messages; nothing else. Bad input (`ScenarioError`) becomes one
@@ -16,12 +18,23 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from fsdp_sim.errors import ScenarioError
+from fsdp_sim.errors import ScenarioError, one_line
 
 
-def _write(path: str, text: str) -> None:
+def _json(data, **kw) -> str:
+    """Strict JSON (no NaN or Infinity, which JSON does not have): a figure that is not finite is refused."""
     try:
-        Path(path).write_text(text)
+        return json.dumps(data, allow_nan=False, **kw)
+    except (ValueError, TypeError) as exc:
+        raise ScenarioError(f"a result cannot be written as JSON ({exc})") from None
+
+
+def _write(path: str, text: str | bytes) -> None:
+    try:
+        if isinstance(text, bytes):
+            Path(path).write_bytes(text)
+        else:
+            Path(path).write_text(text)
     except OSError as exc:
         raise ScenarioError(f"cannot write {path}: {exc.strerror}") from None
 
@@ -40,11 +53,21 @@ def _run(args: argparse.Namespace) -> int:
     result = simulate(scenario)
     data = result.to_dict()
     if args.json:
-        _write(args.json, json.dumps(data, indent=2) + "\n")
+        _write(args.json, _json(data, indent=2) + "\n")
     if args.trace:
-        _write(args.trace, json.dumps(chrome_trace(result)))
+        _write(args.trace, _json(chrome_trace(result)))
     if args.timeline_csv:
         _write(args.timeline_csv, timeline_csv(result))
+    if args.memory_snapshot:
+        import pickle
+
+        from fsdp_sim.results.memory_viz import memory_snapshot
+
+        _write(args.memory_snapshot, pickle.dumps(memory_snapshot(result)))
+    if args.html:
+        from fsdp_sim.results.html import run_report
+
+        _write(args.html, run_report(result, data))
     if args.plot:
         from fsdp_sim.results.plot import step_figure
 
@@ -94,6 +117,9 @@ def _progress(args: argparse.Namespace) -> bool:
 def _check_sweep_args(args: argparse.Namespace) -> None:
     if args.jobs is not None and args.jobs <= 0:
         raise ScenarioError(f"--jobs: must be a positive integer, got {args.jobs}")
+    from fsdp_sim.executors import check
+
+    check(args.executor, args.scheduler)  # before the default search space is built or anything runs
 
 
 def _color_keys(args: argparse.Namespace, axes=None) -> list[str]:
@@ -121,6 +147,14 @@ def _pareto(args: argparse.Namespace, color_by: list[str], rows: list[dict], bes
         raise ScenarioError(f"--plot {args.plot}: {exc}") from None
 
 
+def _html(args: argparse.Namespace, keys: list[str], rows: list[dict], color_by: list[str], **kw) -> None:
+    """`--html`: the sweep's (or recommendation's) report."""
+    from fsdp_sim.results.html import sweep_report
+
+    title = f"fsdp-sim {args.command}: {Path(args.scenario).stem}"
+    _write(args.html, sweep_report(title, keys, rows, color_by, **kw))
+
+
 def _sweep(args: argparse.Namespace) -> int:
     import csv
     import io
@@ -129,12 +163,12 @@ def _sweep(args: argparse.Namespace) -> int:
     from fsdp_sim.sweep import COLUMNS, sweep
 
     _check_sweep_args(args)
-    color_by = _color_keys(args) if args.plot else []
+    color_by = _color_keys(args) if args.plot or args.html else []
     keys, rows = sweep(args.scenario, args.set, grid=args.grid, jobs=args.jobs, progress=_progress(args),
-                       max_batch=args.max_batch)
+                       max_batch=args.max_batch, executor=args.executor, scheduler=args.scheduler)
     if args.output:
         if args.output.lower().endswith(".json"):
-            _write(args.output, json.dumps(rows, indent=1) + "\n")
+            _write(args.output, _json(rows, indent=1) + "\n")
         else:
             out = io.StringIO()
             writer = csv.DictWriter(out, fieldnames=[*keys, *COLUMNS])
@@ -152,10 +186,12 @@ def _sweep(args: argparse.Namespace) -> int:
                       f"{fmt_bytes(row['peak_allocated_bytes']):>12}"
                       f"{fmt_bytes(row['required_bytes']):>12}  {'yes' if row['fits'] else 'no'}")
     if rows and all(row["error"] for row in rows):
-        print(f"fsdp-sim: every configuration failed; the first: {rows[0]['error']}", file=sys.stderr)
+        print(f"fsdp-sim: {one_line('every configuration failed; the first: ' + rows[0]['error'])}", file=sys.stderr)
         return 1
     if args.plot:
         _pareto(args, color_by, rows)
+    if args.html:
+        _html(args, keys, rows, color_by)
     return 0
 
 
@@ -171,14 +207,17 @@ def _recommend(args: argparse.Namespace) -> int:
     if not args.grid:
         axes = default_axes(read_data(args.scenario, "scenario"), Path(args.scenario).parent,
                             micro_batch=not args.max_batch)
-    color_by = _color_keys(args, axes) if args.plot else []
+    color_by = _color_keys(args, axes) if args.plot or args.html else []
     keys, rows = sweep(args.scenario, args.set, grid=args.grid, axes=axes, jobs=args.jobs,
-                       progress=_progress(args), max_batch=args.max_batch)
+                       progress=_progress(args), max_batch=args.max_batch, executor=args.executor,
+                       scheduler=args.scheduler)
     rec = recommend(rows, keys, top=args.top)
     if args.json:
-        _write(args.json, json.dumps(rec | {"rows": rows}, indent=1) + "\n")
+        _write(args.json, _json(rec | {"rows": rows}, indent=1) + "\n")
     if args.plot and any(not r["error"] for r in rows):
         _pareto(args, color_by, rows, rec["best"])
+    if args.html:
+        _html(args, keys, rows, color_by, text=explain(rec), best=rec["best"])
     if not args.quiet:
         print(explain(rec))
     if rec["best"] is None:
@@ -216,11 +255,17 @@ def _search_options(p: argparse.ArgumentParser) -> None:
                         "replaces the grid's axis for KEY)")
     p.add_argument("--max-batch", action="store_true",
                    help="for each configuration, the largest training.micro_batch that fits (by bisection)")
-    p.add_argument("--jobs", type=int, help="worker processes (default: one per CPU)")
+    p.add_argument("--jobs", type=int, help="worker processes (default: one per CPU); with dask-local, its workers")
+    p.add_argument("--executor", default="local", choices=("local", "dask", "dask-local"),
+                   help="where the points run: local processes (default), the Dask cluster at --scheduler, or a "
+                        "Dask LocalCluster on this machine (needs the dask extra)")
+    p.add_argument("--scheduler", metavar="ADDRESS", help="the Dask scheduler, e.g. tcp://host:8786 (--executor dask)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the Pareto front: tokens/s per GPU against required "
                                                       "memory (needs matplotlib)")
     p.add_argument("--color-by", metavar="KEY[,KEY]", help="the swept keys that colour the plot (default: the first "
                                                          "axis's)")
+    p.add_argument("--html", metavar="FILE.html", help="write a self-contained HTML report: the Pareto front and "
+                                                        "a sortable table of every configuration")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -232,7 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", metavar="FILE", help="write the full result as JSON")
     run.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace (open in ui.perfetto.dev)")
     run.add_argument("--timeline-csv", metavar="FILE", help="write the memory timeline as CSV")
+    run.add_argument("--memory-snapshot", metavar="FILE.pickle",
+                     help="write the memory timeline as a torch.cuda.memory._snapshot() pickle (open in "
+                          "pytorch.org/memory_viz)")
     run.add_argument("--plot", metavar="FILE.png", help="draw memory by category and the streams (needs matplotlib)")
+    run.add_argument("--html", metavar="FILE.html", help="write a self-contained HTML report: summary, interactive "
+                                                          "memory timeline, streams, breakdown")
     run.add_argument("--safety-margin", type=float, metavar="FRACTION", help="memory kept free (default: scenario, 0.10)")
     run.add_argument("--require-fit", action="store_true", help="exit 1 when the step does not fit (for CI)")
     run.add_argument("-q", "--quiet", action="store_true", help="print nothing; write only the files asked for")

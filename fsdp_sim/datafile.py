@@ -1,7 +1,12 @@
 """Reading the data files a user hands over (scenarios, profiles, workloads, configs, traces).
 
 One place turns a missing file or unparsable text into the one-line `ScenarioError` that names the
-scenario key that pointed at it.
+scenario key that pointed at it: a path that is a directory, unreadable or too long for the file system,
+text that is not UTF-8, YAML or JSON that does not parse, an empty file. What parses is checked for the
+shapes no data file of fsdp-sim has and every later step would trip over (`check_tree`): nesting deeper
+than `MAX_DEPTH`, YAML aliases that expand past `MAX_EXPANDED` values (an alias bomb) or refer to
+themselves, mapping keys that are not strings, and NaN or Infinity in JSON. YAML is read with the safe
+loader only: no tag constructs a Python object.
 """
 
 from __future__ import annotations
@@ -12,28 +17,125 @@ from typing import Any
 
 import yaml
 
-from fsdp_sim.errors import ScenarioError
+from fsdp_sim.errors import ScenarioError, show
 
-_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's safe loader when PyYAML has it
+SAFE_LOADER = _SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's safe loader when PyYAML has it
+MAX_DEPTH = 32  # levels of nested lists and mappings; fsdp-sim's own files use at most 6
+MAX_EXPANDED = 1_000_000  # values that YAML aliases may add beyond those written out
+# PyYAML parses about 1 MB/s (even with libyaml), JSON a hundred times faster: a large file is JSON
+MAX_YAML_BYTES, MAX_JSON_BYTES = 4 << 20, 512 << 20
 
 
 def reject_unknown_keys(where: str, data: dict, allowed) -> None:
     """The first key of `data` not in `allowed`, as `<where>.<key>: unknown key, ...`."""
     prefix = f"{where}." if where else ""
     for key in data:
-        if key not in allowed:
+        if not isinstance(key, str) or key not in allowed:
             raise ScenarioError(f"{prefix}{key}: unknown key, expected one of {sorted(allowed)}")
+
+
+def check_tree(data: Any, key: str, *, strict_keys: bool = True) -> None:
+    """Refuse nesting deeper than MAX_DEPTH, an alias expansion past MAX_EXPANDED values, a value that
+    contains itself, and (`strict_keys`) a mapping key that is not a string. Each shared list or mapping is
+    visited once, so an alias bomb costs what its text costs."""
+    if not isinstance(data, (dict, list)):
+        return
+    memo: dict[int, tuple[int, int]] = {}  # id -> (depth, values when expanded)
+    open_: set[int] = set()  # the containers on the path from the root to the one being visited
+    distinct = 0
+    stack: list[tuple[Any, bool]] = [(data, False)]
+    while stack:
+        node, done = stack.pop()
+        children = list(node.values()) if isinstance(node, dict) else node
+        if done:
+            open_.discard(id(node))
+            depth, size = 0, 1
+            for child in children:
+                d, s = memo.get(id(child), (0, 1)) if isinstance(child, (dict, list)) else (0, 1)
+                depth, size = max(depth, d), size + s
+            memo[id(node)] = (depth + 1, size)
+            if depth + 1 > MAX_DEPTH:
+                raise ScenarioError(f"{key}: nested deeper than {MAX_DEPTH} levels of lists and mappings")
+            if size - distinct > MAX_EXPANDED:
+                raise ScenarioError(f"{key}: YAML aliases expand to more than {MAX_EXPANDED:,} values "
+                                    "(an alias bomb?); write the values out")
+            continue
+        if id(node) in memo:
+            continue
+        if id(node) in open_:
+            raise ScenarioError(f"{key}: a YAML alias refers to a value that contains it (a cycle)")
+        if len(open_) >= MAX_DEPTH:
+            raise ScenarioError(f"{key}: nested deeper than {MAX_DEPTH} levels of lists and mappings")
+        if isinstance(node, dict) and strict_keys:
+            for k in node:
+                if not isinstance(k, str):
+                    raise ScenarioError(f"{key}: mapping key {show(k)} is a {type(k).__name__}, expected a string "
+                                        f"(quote it)")
+        open_.add(id(node))
+        distinct += len(children) + 1
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if isinstance(c, (dict, list)) and id(c) not in memo)
+
+
+def _check_depth(data: Any, key: str) -> None:
+    """Refuse nesting deeper than MAX_DEPTH (the cheap check, for JSON)."""
+    stack = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ScenarioError(f"{key}: nested deeper than {MAX_DEPTH} levels of lists and mappings")
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+
+
+def _problem(exc: yaml.YAMLError) -> str:
+    """A YAML error as `problem at line L, column C` (one line)."""
+    problem = getattr(exc, "problem", None) or getattr(exc, "context", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def read_data(path: str | Path, key: str, *, fmt: str = "yaml") -> Any:
     """The parsed content of a YAML (a superset of JSON) or JSON file; `key` names it in errors."""
     path = Path(path)
-    if not path.is_file():
-        raise ScenarioError(f"{key}: file not found: {path}")
     try:
-        text = path.read_text()
-        return json.loads(text) if fmt == "json" else yaml.load(text, Loader=_SAFE_LOADER)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ScenarioError(f"{key}: {path} is not valid JSON ({exc})") from None
+        if path.is_dir():
+            raise ScenarioError(f"{key}: {path} is a directory, expected a file")
+        if not path.is_file():
+            raise ScenarioError(f"{key}: file not found: {path}")
+        size = path.stat().st_size
+        limit = MAX_JSON_BYTES if fmt == "json" or path.suffix.lower() == ".json" else MAX_YAML_BYTES
+        if size > limit:
+            hint = "" if limit == MAX_JSON_BYTES else "; write it as JSON (a .json file), which reads much faster"
+            raise ScenarioError(f"{key}: {path} is {size / (1 << 20):.1f} MiB, past the limit of {limit >> 20} MiB{hint}")
+        raw = path.read_bytes()
+    except (OSError, ValueError) as exc:  # ValueError: a NUL character in the path
+        raise ScenarioError(f"{key}: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ScenarioError(f"{key}: {path} is not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start})") \
+            from None
+    what = "JSON" if fmt == "json" else "YAML"
+    try:
+        data = json.loads(text, parse_constant=_no_constant) if fmt == "json" else yaml.load(text, Loader=_SAFE_LOADER)
+    except json.JSONDecodeError as exc:
+        raise ScenarioError(f"{key}: {path} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") \
+            from None
     except yaml.YAMLError as exc:
-        raise ScenarioError(f"{key}: {path} is not valid YAML ({str(exc).splitlines()[0]})") from None
+        raise ScenarioError(f"{key}: {path} is not valid YAML ({_problem(exc)})") from None
+    except RecursionError:
+        raise ScenarioError(f"{key}: {path} is nested deeper than {MAX_DEPTH} levels of lists and mappings") from None
+    except (ValueError, OverflowError) as exc:  # a number past Python's limits, NaN in JSON
+        raise ScenarioError(f"{key}: {path} is not valid {what} ({str(exc).split(';')[0]})") from None
+    if data is None:
+        raise ScenarioError(f"{key}: {path} is empty (no {what} document)")
+    if fmt == "json":
+        _check_depth(data, f"{key}: {path}")  # JSON has no aliases and only string keys
+    else:
+        check_tree(data, f"{key}: {path}")
+    return data

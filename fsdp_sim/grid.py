@@ -18,14 +18,15 @@ replaces every grid axis that sets the same key. Bad grids raise `ScenarioError`
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
-from fsdp_sim.datafile import read_data
-from fsdp_sim.errors import ScenarioError
+from fsdp_sim.datafile import SAFE_LOADER, check_tree, read_data
+from fsdp_sim.errors import ScenarioError, show
 
 SECTIONS = ("name", "model", "training", "hardware", "fsdp", "compute", "report")  # a scenario's top-level keys
 MAX_POINTS = 1_000_000
@@ -49,18 +50,56 @@ class Axis:
         return list(dict.fromkeys(k for option in self.options for k in option))
 
 
+MAX_ASSIGNMENT = 10_000  # characters of one --set
+
+
+def _yaml_value(key: str, text: str) -> Any:
+    """One `--set` value: YAML read with the safe loader (no tag runs code), then checked as a grid value."""
+    try:
+        value = yaml.load(text, Loader=SAFE_LOADER)
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ScenarioError(f"--set {key}: {show(text)} is not a YAML value ({problem}); quote a string") from None
+    except (ValueError, OverflowError, RecursionError) as exc:  # a tag's bad content, a 5,000-digit number
+        raise ScenarioError(f"--set {key}: {show(text)} is not a YAML value ({str(exc).split(';')[0]})") from None
+    check_value(f"--set {key}", value)
+    return value
+
+
+def check_value(where: str, value: Any) -> None:
+    """A value a sweep sets and writes into its rows: a number (finite), a string (printable), true/false,
+    null, or a list or mapping of them (string keys); not a date, bytes or a set, which no scenario key takes."""
+    check_tree(value, where)
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise ScenarioError(f"{where}: {v!r} is not a finite number")
+        elif isinstance(v, str) and not v.isprintable():
+            raise ScenarioError(f"{where}: {show(v)} is not a printable one-line string")
+        elif v is not None and not isinstance(v, (bool, int, float, str)):
+            raise ScenarioError(f"{where}: {show(v)} is a {type(v).__name__}, expected a number, a string, "
+                                "true/false or null (quote it to make it a string)")
+
+
 def parse_assignment(text: str) -> tuple[str, list[Any]]:
     """`key.path=v1,v2` -> ("key.path", [v1, v2]); values are YAML scalars (1 -> int, true -> bool)."""
     key, sep, values = text.partition("=")
     if not sep or not key or not values:
-        raise ScenarioError(f"--set {text!r}: expected KEY=VALUE[,VALUE...], e.g. fsdp.wrap=per_block,whole_model")
+        raise ScenarioError(f"--set {show(text)}: expected KEY=VALUE[,VALUE...], e.g. fsdp.wrap=per_block,whole_model")
     _check_key("--set", key)
-    return key, [yaml.safe_load(v) for v in values.split(",")]
+    if len(text) > MAX_ASSIGNMENT:
+        raise ScenarioError(f"--set {key}: {len(text):,} characters, past the limit of {MAX_ASSIGNMENT:,}")
+    return key, [_yaml_value(key, v) for v in values.split(",")]
 
 
 def _check_key(where: str, key: Any) -> None:
-    if not isinstance(key, str) or not _DOTTED.match(key):
-        raise ScenarioError(f"{where}: {key!r} is not a dotted scenario key such as training.micro_batch")
+    if not isinstance(key, str) or len(key) > 200 or not _DOTTED.fullmatch(key):
+        raise ScenarioError(f"{where}: {show(key)} is not a dotted scenario key such as training.micro_batch")
 
 
 def _number(where: str, spec: dict, key: str, default=None):
@@ -165,6 +204,10 @@ def _check_disjoint(axes: list[Axis]) -> list[Axis]:
 
 def combine(axes: list[Axis], assignments: list[str]) -> list[Axis]:
     """The grid's axes with each `--set KEY=...` replacing every axis that sets KEY, appended last."""
+    for axis in axes:  # a grid file's values go into the rows too
+        for option in axis.options:
+            for key, value in option.items():
+                check_value(f"grid: {key}", value)
     out = list(axes)
     for text in assignments:
         key, values = parse_assignment(text)

@@ -7,6 +7,7 @@ impossible combination raises `ScenarioError` naming the key and what was expect
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -14,17 +15,19 @@ from typing import Any
 
 from fsdp_sim.datafile import read_data, reject_unknown_keys
 from fsdp_sim.dtypes import DTYPE_BYTES
-from fsdp_sim.errors import ScenarioError
+from fsdp_sim.errors import ScenarioError, one_line, show
 from fsdp_sim.hardware.fabric import NETWORK_SCALARS, Network, check_network_value
 from fsdp_sim.hardware.kernels import SDPA_BACKENDS, ComputeOptions
 from fsdp_sim.hardware.profiles import Cluster, load_profile
 from fsdp_sim.schedule.optimizers import IMPLEMENTATIONS, OPTIMIZERS
-from fsdp_sim.schedule.settings import FSDPSettings
+from fsdp_sim.schedule.settings import FSDPSettings, post_forward_size
+from fsdp_sim.scientific import from_scientific
 from fsdp_sim.workload import PRESETS, TransformerDims, Workload, build_transformer
+from fsdp_sim.workload.transformer import DIM_LIMITS, MAX_SEQ
 from fsdp_sim.workload.profile_trace import apply_profile_trace
 from fsdp_sim.wrap import POLICIES, Unit, make_units
 
-STRATEGIES = {  # FSDP1 name -> (mesh, reshard_after_forward) as FSDP2 expresses it (torchtitan docs/fsdp.md)
+STRATEGIES = {  # FSDP1 name -> (mesh, default reshard_after_forward) as FSDP2 expresses it (torchtitan docs/fsdp.md)
     "FULL_SHARD": ("1d", True), "SHARD_GRAD_OP": ("1d", False), "HYBRID_SHARD": ("2d", True),
     "_HYBRID_SHARD_ZERO2": ("2d", False), "NO_SHARD": ("replicate", False),
 }
@@ -39,13 +42,16 @@ def _expect(section: str, data: Any) -> dict:
     return data
 
 
-def _get(section: str, data: dict, key: str, kind: type, default=_MISSING, *, choices=None, positive=False):
-    value = data.get(key, default)
+def _get(section: str, data: dict, key: str, kind: type, default=_MISSING, *, choices=None, positive=False,
+         maximum=None):
+    """`data[key]` checked: of `kind` (an int may be written 2.0, a float as an int; floats are finite),
+    in `choices`, positive, at most `maximum` (a stated limit, so absurd sizes are refused before any work)."""
+    value = from_scientific(data.get(key, default), kind)  # 1e8: a string to YAML 1.1, a number here when exact
     where = f"{section}.{key}"
     if value is _MISSING:
         raise ScenarioError(f"{where}: missing (required)")
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+        value = float(value) if abs(value) < 1 << 1000 else math.inf
     if kind is int and isinstance(value, float) and value.is_integer():
         value = int(value)
     if value is None:
@@ -53,11 +59,16 @@ def _get(section: str, data: dict, key: str, kind: type, default=_MISSING, *, ch
             return None
         raise ScenarioError(f"{where}: expected {kind.__name__}, got nothing (null)")
     if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        raise ScenarioError(f"{where}: expected {kind.__name__}, got {value!r}")
+        expected = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(kind, kind.__name__)
+        raise ScenarioError(f"{where}: expected {expected}, got {show(value)}")
+    if kind is float and not math.isfinite(value):
+        raise ScenarioError(f"{where}: expected a finite number, got {value!r}")
     if choices is not None and value not in choices:
-        raise ScenarioError(f"{where}: {value!r} is not one of {list(choices)}")
+        raise ScenarioError(f"{where}: {show(value)} is not one of {list(choices)}")
     if positive and value <= 0:
-        raise ScenarioError(f"{where}: must be positive, got {value!r}")
+        raise ScenarioError(f"{where}: must be positive, got {show(value)}")
+    if maximum is not None and value > maximum:
+        raise ScenarioError(f"{where}: {show(value)} is past the limit of {maximum:,}")
     return value
 
 
@@ -83,12 +94,12 @@ def _model_dims(raw: dict) -> tuple[str, TransformerDims]:
     reject_unknown_keys("model", raw, _DIM_KEYS | {"preset"})
     preset = _get("model", raw, "preset", str, None)
     overrides = {k: v for k, v in raw.items() if k != "preset"}
-    for key, value in overrides.items():
+    for key in overrides:  # the checked values (2.0 as 2): a float must not reach the byte counts
         kind = bool if key in ("bias", "tie_embeddings", "learned_pos", "dropout") else str if key in ("mlp", "norm", "attention", "norm_impl") else int
-        _get("model", overrides, key, kind)
+        overrides[key] = _get("model", overrides, key, kind, maximum=DIM_LIMITS.get(key))
     if preset is not None:
         if preset not in PRESETS:
-            raise ScenarioError(f"model.preset: unknown preset {preset!r}, expected one of {sorted(PRESETS)}")
+            raise ScenarioError(f"model.preset: unknown preset {show(preset)}, expected one of {sorted(PRESETS)}")
         base = PRESETS[preset]
         if {"hidden", "heads"} & overrides.keys() and base.head_dim == base.hidden // base.heads:
             overrides.setdefault("head_dim", None)  # a derived head_dim follows the overridden hidden / heads
@@ -100,15 +111,28 @@ def _model_dims(raw: dict) -> tuple[str, TransformerDims]:
 
 
 MAX_BYTES = 1 << 50  # 1 PiB: far beyond any GPU, and within the ledger's exact integer range
+MAX_TOTAL_BYTES = 1 << 56  # all modules' parameters, grads, optimizer states and activations: int64 keeps headroom
+MAX_MODULE_PASSES = 5000  # modules x micro-batches: about 60 ops each, a few seconds of simulation in all
+MAX_MICRO_BATCH, MAX_GRAD_ACCUMULATION = 1 << 20, 4096
+MAX_NODES, MAX_GPUS_PER_NODE = 1 << 16, 1024
 
 
-def _check_scale(workload: Workload) -> None:
-    """Refuse sizes no GPU step has (a typo such as hidden: 1e9), before they overflow the arithmetic."""
-    largest = max(max(m.numel * 4, m.saved_bytes, m.fwd_temp_bytes, m.bwd_temp_bytes, m.output_bytes)
-                  for m in workload.modules)
-    if largest > MAX_BYTES:
-        raise ScenarioError(f"model: a module of {workload.name!r} would need {largest / (1 << 50):.3g} PiB; "
-                            f"check the model dimensions and training.micro_batch / seq_len")
+def _check_scale(workload: Workload, grad_accumulation: int = 1) -> None:
+    """Refuse sizes no GPU step has (a typo such as hidden: 1e9), before they overflow the arithmetic, and
+    a step whose simulation would run past MAX_MODULE_PASSES modules x micro-batches."""
+    largest = total = 0
+    for m in workload.modules:
+        numel = m.numel
+        largest = max(largest, numel * 4, m.saved_bytes, m.fwd_temp_bytes, m.bwd_temp_bytes, m.output_bytes)
+        total += numel * 16 + m.saved_bytes + m.fwd_temp_bytes + m.bwd_temp_bytes + m.output_bytes
+    if largest > MAX_BYTES or total > MAX_TOTAL_BYTES:
+        what = (f"a module of {show(workload.name)} would need {largest / (1 << 50):.3g} PiB" if largest > MAX_BYTES
+                else f"{show(workload.name)} would need {total / (1 << 50):.3g} PiB in all")
+        raise ScenarioError(f"model: {what}; check the model dimensions and training.micro_batch / seq_len")
+    passes = len(workload.modules) * grad_accumulation
+    if passes > MAX_MODULE_PASSES:
+        raise ScenarioError(f"training.grad_accumulation: {len(workload.modules):,} modules x {grad_accumulation:,} "
+                            f"micro-batches is past the limit of {MAX_MODULE_PASSES:,} module passes per step")
 
 
 def _workload(model: dict, *, micro_batch: int, seq_len: int, act_dtype: str, base: Path) -> Workload:
@@ -116,7 +140,7 @@ def _workload(model: dict, *, micro_batch: int, seq_len: int, act_dtype: str, ba
     sources = [k for k in ("hf_config", "workload") if k in model]
     if sources:
         if len(model) > 1:
-            other = sorted(set(model) - {sources[0]})[0]
+            other = sorted(map(str, set(model) - {sources[0]}))[0]
             raise ScenarioError(f"model.{other}: not allowed beside model.{sources[0]}")
         path = _get("model", model, sources[0], str)
         path = Path(path) if Path(path).is_absolute() else base / path
@@ -159,6 +183,85 @@ def _network(hardware: dict, profile: Network) -> Network | None:
     return replace(profile, **given)
 
 
+def _reshard_after_forward(fsdp: dict, key: str, shard_size: int, default: bool | None) -> bool | int | None:
+    """`fsdp.reshard_after_forward` / `root_reshard_after_forward`: true, false or an hpZ group size.
+
+    An int is checked as `_get_post_forward_mesh_info` checks it (a factor of the shard group size;
+    1 means false, the shard group size true)."""
+    value = fsdp.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise ScenarioError(f"fsdp.{key}: expected true, false or a group size (int), got {value!r}")
+    return post_forward_size(value, shard_size, f"fsdp.{key}")
+
+
+def _prefetch_depth(fsdp: dict, key: str, default: bool) -> int:
+    """A prefetch setting as a depth: false = 0, true = 1, or k units (0 = false)."""
+    value = fsdp.get(key, default)
+    if isinstance(value, bool):
+        return int(value)
+    if not isinstance(value, int) or value < 0:
+        raise ScenarioError(f"fsdp.{key}: expected true, false or a number of units (int >= 0), got {value!r}")
+    return value
+
+
+def _output_dtype(value: Any, units: list[Unit], dtypes: tuple[str, ...]) -> tuple[str | None, tuple]:
+    """`fsdp.mixed_precision.output_dtype`: a dtype for every unit's policy, or {module: dtype} for the
+    policy of the unit that owns each module named (e.g. {output: fp32}: fp32 logits)."""
+    where = "fsdp.mixed_precision.output_dtype"
+    if value is None:
+        return None, ()
+    if isinstance(value, str):
+        if value not in dtypes:
+            raise ScenarioError(f"{where}: {value!r} is not one of {list(dtypes)}")
+        return value, ()
+    if not isinstance(value, dict):
+        raise ScenarioError(f"{where}: expected a dtype or a mapping of module name to dtype, got {value!r}")
+    owner = {name: u.name for u in units for name in u.modules}
+    per_unit: dict[str, str] = {}
+    for module, dtype in value.items():
+        if module not in owner:
+            raise ScenarioError(f"{where}.{module}: no such module in the model (e.g. {', '.join(list(owner)[-3:])})")
+        if dtype not in dtypes:
+            raise ScenarioError(f"{where}.{module}: {dtype!r} is not one of {list(dtypes)}")
+        if per_unit.get(owner[module], dtype) != dtype:
+            raise ScenarioError(f"{where}.{module}: unit {owner[module]} already has output_dtype {per_unit[owner[module]]}")
+        per_unit[owner[module]] = dtype
+    return None, tuple(sorted(per_unit.items()))
+
+
+def _check_trace_times(workload: Workload, peak: float, gpu: str) -> None:
+    """A measured time shorter than its module's FLOPs need at the GPU's peak cannot be true of this model on
+    this GPU (and would give an MFU above 100 %): refuse it, naming the module."""
+    for m in workload.modules:
+        for phase, t, flops in (("forward", m.fwd_time_s, m.fwd_flops), ("backward", m.bwd_time_s, m.bwd_flops)):
+            if t is not None and flops > 0 and t * peak < flops * (1 - 1e-9):
+                raise ScenarioError(f"compute.trace: {show(m.name)} {phase} takes {t * 1e3:.3g} ms in the trace, less "
+                                    f"than its {flops:.3g} FLOPs need at the {gpu} peak ({flops / peak * 1e3:.3g} ms): "
+                                    "a trace of another model, batch or GPU?")
+
+
+def _name(data: dict, default: str) -> str:
+    """`name`: one printable line (it heads the summary); a file name that is not is shown escaped."""
+    name = _get("scenario", data, "name", str, default)
+    if not name.isprintable() or len(name) > 200:
+        if "name" in data:
+            raise ScenarioError(f"name: expected one printable line of at most 200 characters, got {show(name)}")
+        name = one_line(name, 200)
+    return name
+
+
+def _profile_ref(value: str, base: Path) -> str:
+    """`hardware.profile`: a profile name as it is, a relative path to a YAML file from the scenario's folder."""
+    path = Path(value)
+    if path.suffix in (".yaml", ".yml") and not path.is_absolute():
+        return str(base / path)
+    return value
+
+
 def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) -> Scenario:
     """Check and resolve scenario data; relative file paths inside it are taken from `base`."""
     base = base or Path.cwd()
@@ -176,9 +279,10 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
         for key in ("micro_batch", "seq_len"):
             if key in training:
                 raise ScenarioError(f"training.{key}: not allowed with model.workload (the trace fixed the batch shape)")
-    micro_batch = _get("training", training, "micro_batch", int, 1, positive=True)
-    seq_len = _get("training", training, "seq_len", int, 2048, positive=True)
-    grad_accumulation = _get("training", training, "grad_accumulation", int, 1, positive=True)
+    micro_batch = _get("training", training, "micro_batch", int, 1, positive=True, maximum=MAX_MICRO_BATCH)
+    seq_len = _get("training", training, "seq_len", int, 2048, positive=True, maximum=MAX_SEQ)
+    grad_accumulation = _get("training", training, "grad_accumulation", int, 1, positive=True,
+                             maximum=MAX_GRAD_ACCUMULATION)
     optimizer = _get("training", training, "optimizer", str, "adamw", choices=OPTIMIZERS)
     optimizer_impl = _get("training", training, "optimizer_impl", str, "foreach", choices=IMPLEMENTATIONS)
     momentum = _get("training", training, "momentum", bool, True)
@@ -191,42 +295,49 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
 
     hardware = _expect("hardware", data.get("hardware"))
     reject_unknown_keys("hardware", hardware, {"profile", "nodes", "gpus_per_node", "network"})
-    gpu = load_profile(_get("hardware", hardware, "profile", str))
-    nodes = _get("hardware", hardware, "nodes", int, 1, positive=True)
-    gpn = _get("hardware", hardware, "gpus_per_node", int, gpu.gpus_per_node, positive=True)
+    gpu = load_profile(_profile_ref(_get("hardware", hardware, "profile", str), base))
+    nodes = _get("hardware", hardware, "nodes", int, 1, positive=True, maximum=MAX_NODES)
+    gpn = _get("hardware", hardware, "gpus_per_node", int, gpu.gpus_per_node, positive=True, maximum=MAX_GPUS_PER_NODE)
     cluster = Cluster(gpu, nodes, gpn, _network(hardware, gpu.fabric.network))
     world = cluster.world_size
 
     fsdp = _expect("fsdp", data.get("fsdp"))
     reject_unknown_keys("fsdp", fsdp, {"version", "wrap", "blocks_per_unit", "min_params", "sharding_strategy",
-                               "shard_size", "reshard_after_forward", "reshard_last_block", "backward_prefetch",
-                               "requires_gradient_sync",
+                               "shard_size", "reshard_after_forward", "root_reshard_after_forward",
+                               "reshard_last_block", "forward_prefetch", "backward_prefetch",
+                               "requires_gradient_sync", "requires_all_reduce", "reshard_after_backward",
                                "mixed_precision"})
     version = _get("fsdp", fsdp, "version", int, 2, choices=(2,))
     del version  # FSDP1 mode is not modelled yet; only 2 is accepted
     wrap = _get("fsdp", fsdp, "wrap", str, "per_block", choices=POLICIES)
     k = _get("fsdp", fsdp, "blocks_per_unit", int, 1, positive=True)
     min_params = _get("fsdp", fsdp, "min_params", int, 100_000_000, positive=True)
+    # an FSDP1 strategy name is a mesh and a default reshard_after_forward; an explicit
+    # reshard_after_forward replaces the default, as fully_shard takes any value on any mesh
     strategy = _get("fsdp", fsdp, "sharding_strategy", str, "FULL_SHARD", choices=tuple(STRATEGIES))
-    mesh, reshard = STRATEGIES[strategy]
-    raf = _get("fsdp", fsdp, "reshard_after_forward", bool, None)
-    if raf is not None and "sharding_strategy" in fsdp and raf != reshard:
-        raise ScenarioError(f"fsdp.reshard_after_forward: {raf} contradicts sharding_strategy {strategy} (which implies {reshard})")
-    reshard = reshard if raf is None else raf
-    # false: m.set_modules_to_backward_prefetch([m]) on every FSDP module m (not [], which keeps the default)
-    backward_prefetch = _get("fsdp", fsdp, "backward_prefetch", bool, True)
-    reshard_last_block = _get("fsdp", fsdp, "reshard_last_block", bool, True)
-    requires_gradient_sync = _get("fsdp", fsdp, "requires_gradient_sync", bool, True)
+    mesh, strategy_reshard = STRATEGIES[strategy]
     shard_size = {"1d": world, "2d": gpn, "replicate": 1}[mesh]
     shard_size = _get("fsdp", fsdp, "shard_size", int, shard_size, positive=True)
     if world % shard_size:
         raise ScenarioError(f"fsdp.shard_size: {shard_size} does not divide the world size {world} "
                             f"({nodes} nodes x {gpn} GPUs)")
+    reshard = _reshard_after_forward(fsdp, "reshard_after_forward", shard_size, strategy_reshard)
+    root_reshard = _reshard_after_forward(fsdp, "root_reshard_after_forward", shard_size, None)
+    # backward: true = FSDP2's default (one ahead), false = m.set_modules_to_backward_prefetch([m]) on every
+    # FSDP module m (not [], which keeps the default), k = lists of the k units before; forward: none by default
+    backward_prefetch = _prefetch_depth(fsdp, "backward_prefetch", True)
+    forward_prefetch = _prefetch_depth(fsdp, "forward_prefetch", False)
+    reshard_last_block = _get("fsdp", fsdp, "reshard_last_block", bool, True)
+    requires_gradient_sync = _get("fsdp", fsdp, "requires_gradient_sync", bool, True)
+    requires_all_reduce = _get("fsdp", fsdp, "requires_all_reduce", bool, True)
+    reshard_after_backward = _get("fsdp", fsdp, "reshard_after_backward", bool, True)
     mp = _expect("fsdp.mixed_precision", fsdp.get("mixed_precision"))
-    reject_unknown_keys("fsdp.mixed_precision", mp, {"param_dtype", "reduce_dtype"})
+    reject_unknown_keys("fsdp.mixed_precision", mp, {"param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"})
     dtypes = tuple(d for d in DTYPE_BYTES if d in ("fp32", "bf16", "fp16"))
     param_dtype = _get("fsdp.mixed_precision", mp, "param_dtype", str, "bf16", choices=dtypes)
-    reduce_dtype = _get("fsdp.mixed_precision", mp, "reduce_dtype", str, "fp32", choices=dtypes)
+    # MixedPrecisionPolicy's default: no reduce_dtype, the gradients are reduced in their own dtype
+    reduce_dtype = _get("fsdp.mixed_precision", mp, "reduce_dtype", str, None, choices=dtypes)
+    cast_forward_inputs = _get("fsdp.mixed_precision", mp, "cast_forward_inputs", bool, True)
     gpu.flops(param_dtype)  # the GPU must support the compute dtype
 
     report = _expect("report", data.get("report"))
@@ -236,21 +347,26 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
         raise ScenarioError(f"report.safety_margin: {margin} must be in [0, 1)")
 
     workload = _workload(model, micro_batch=micro_batch, seq_len=seq_len, act_dtype=param_dtype, base=base)
-    _check_scale(workload)
+    _check_scale(workload, grad_accumulation)
     compute = _expect("compute", data.get("compute"))
     reject_unknown_keys("compute", compute, {"trace", "allow_tf32", "torch_compile", "sdpa_backend", "torch_version"})
     options = _compute_options(compute)
     if "trace" in compute:
         trace = Path(_get("compute", compute, "trace", str))
         workload = apply_profile_trace(workload, trace if trace.is_absolute() else base / trace)
+        _check_trace_times(workload, gpu.matmul_peak(param_dtype, options.allow_tf32), gpu.name)
     units = make_units(workload, wrap, k=k, min_params=min_params)
+    output_dtype, unit_output_dtype = _output_dtype(mp.get("output_dtype"), units, dtypes)
     settings = FSDPSettings(shard_size=shard_size, replicate_size=world // shard_size, reshard_after_forward=reshard,
-                            param_dtype=param_dtype, reduce_dtype=reduce_dtype, optimizer=optimizer,
+                            root_reshard_after_forward=root_reshard, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                            output_dtype=output_dtype, unit_output_dtype=unit_output_dtype,
+                            cast_forward_inputs=cast_forward_inputs, optimizer=optimizer,
                             optimizer_impl=optimizer_impl, momentum=momentum,
-                            activation_checkpointing=ac == "full", backward_prefetch=backward_prefetch,
-                            reshard_last_unit=reshard_last_block,
-                            grad_accumulation=grad_accumulation, requires_gradient_sync=requires_gradient_sync)
-    return Scenario(name=_get("scenario", data, "name", str, name), workload=workload, units=units, cluster=cluster,
+                            activation_checkpointing=ac == "full", forward_prefetch=forward_prefetch,
+                            backward_prefetch=backward_prefetch, reshard_last_unit=reshard_last_block,
+                            grad_accumulation=grad_accumulation, requires_gradient_sync=requires_gradient_sync,
+                            requires_all_reduce=requires_all_reduce, reshard_after_backward=reshard_after_backward)
+    return Scenario(name=_name(data, name), workload=workload, units=units, cluster=cluster,
                     settings=settings, wrap=wrap, sharding_strategy=strategy, safety_margin=margin, compute=options)
 
 

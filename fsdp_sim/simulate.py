@@ -9,6 +9,7 @@ from fsdp_sim.hardware.costs import OpCosts
 from fsdp_sim.results.analysis import StepResult
 from fsdp_sim.scenario import Scenario
 from fsdp_sim.schedule.fsdp2 import build_fsdp2_step
+from fsdp_sim.schedule.settings import post_forward_group
 
 
 def simulate(scenario: Scenario) -> StepResult:
@@ -22,11 +23,20 @@ def simulate(scenario: Scenario) -> StepResult:
     try:
         s = scenario.settings
         graph = build_fsdp2_step(scenario.workload, scenario.units, s)
-        costs = OpCosts(scenario.cluster, shard_size=s.shard_size, replicate_size=s.replicate_size,
-                        compute_dtype=s.param_dtype, options=scenario.compute)
+        costs = op_costs(scenario)
         timing = play(graph.ops, costs.duration, host_s=costs.host_s, slowdown=costs.slowdown)
         memory = replay(graph.ops, graph.persistent, timing.start)
         return StepResult(scenario, graph, timing, memory, costs.times, costs.duration)
     finally:
         if paused:
             gc.enable()
+
+
+def op_costs(scenario: Scenario) -> OpCosts:
+    """The pricer of a scenario's ops on its mesh: the shard and replicate groups and, with
+    `reshard_after_forward: k` (hpZ), the post-forward group of k consecutive ranks that the backward
+    all-gathers run in."""
+    s = scenario.settings
+    return OpCosts(scenario.cluster, shard_size=s.shard_size, replicate_size=s.replicate_size,
+                   compute_dtype=s.param_dtype, options=scenario.compute,
+                   consecutive_groups={post_forward_group(k): k for k in s.post_forward_sizes})

@@ -15,13 +15,13 @@ from __future__ import annotations
 import copy
 import sys
 from collections.abc import Callable, Iterable
-from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from fsdp_sim.datafile import read_data
 from fsdp_sim.errors import ScenarioError
+from fsdp_sim.executors import check as check_executor, open_runner
 from fsdp_sim.grid import Axis, columns, combinations, combine, load_grid, parse_assignment
 from fsdp_sim.scenario import parse_scenario
 from fsdp_sim.simulate import simulate
@@ -70,11 +70,11 @@ def _row(result) -> dict:
     memory = result.memory
     at = result.peak_row
     op = memory.events[at - 1][0] if at else None
-    reserved = memory.reserved_bytes
-    mem = result.memory_summary({"reserved_bytes": reserved})
+    reserved, allocated = memory.reserved_bytes, int(memory.levels[at].sum())
+    mem = result.memory_summary({"reserved_bytes": reserved, "allocated_bytes": allocated})
     comm, comp, tp = result.communication(), result.compute(), result.throughput()
     return {"step_time_s": result.step_time_s, "tokens_per_s_per_gpu": tp["tokens_per_s_per_gpu"],
-            "tokens_per_step": tp["tokens_per_step"], "peak_allocated_bytes": int(memory.levels[at].sum()),
+            "tokens_per_step": tp["tokens_per_step"], "peak_allocated_bytes": allocated,
             "peak_reserved_bytes": reserved, "required_bytes": mem["required_bytes"], "fits": mem["fits"],
             "headroom_bytes": mem["headroom_bytes"], "communication_exposed_s": comm["exposed_s"],
             "overlap_fraction": comm["overlap_fraction"], "mfu": comp["mfu"],
@@ -145,29 +145,22 @@ def _bar(total: int, enabled: bool):
 
 
 def sweep_points(datas: list[dict], folder: Path, *, jobs: int | None = None, progress: bool = False,
-                 max_batch: bool = False) -> list[dict]:
-    """One row per scenario data, in order: in this process for jobs=1, else in `jobs` processes."""
+                 max_batch: bool = False, executor: str = "local", scheduler: str | None = None,
+                 runner=None) -> list[dict]:
+    """One row per scenario data, in order, on `executor` (fsdp_sim/executors.py: `local` = this process
+    for jobs=1, else `jobs` processes; `dask` = the cluster at `scheduler`; `dask-local` = a LocalCluster),
+    or on an open `runner` (reused across calls, e.g. by a benchmark)."""
     work = partial(run_max_batch if max_batch else run_point, base=folder)
     bar = _bar(len(datas), progress)
-    results = []
+    tick = bar.update if bar is not None else (lambda n: None)
     try:
-        if jobs == 1 or len(datas) <= 1:
-            stream = map(work, datas)
-            results = [_tick(bar, r) for r in stream]
-        else:
-            with ProcessPoolExecutor(max_workers=jobs) as pool:
-                chunk = max(1, min(64, len(datas) // (8 * (jobs or 2))))
-                results = [_tick(bar, r) for r in pool.map(work, datas, chunksize=chunk)]
+        if runner is not None:
+            return runner.map(work, datas, tick)
+        with open_runner(executor, jobs=jobs, scheduler=scheduler) as opened:
+            return opened.map(work, datas, tick)
     finally:
         if bar is not None:
             bar.close()
-    return results
-
-
-def _tick(bar, row: dict) -> dict:
-    if bar is not None:
-        bar.update()
-    return row
 
 
 def search_axes(grid: str | None, axes: list[Axis] | None, assignments: Iterable[str]) -> list[Axis]:
@@ -176,12 +169,15 @@ def search_axes(grid: str | None, axes: list[Axis] | None, assignments: Iterable
 
 
 def sweep(path: str, assignments: Iterable[str] = (), *, grid: str | None = None, axes: list[Axis] | None = None,
-          jobs: int | None = None, progress: bool = False, max_batch: bool = False) -> tuple[list[str], list[dict]]:
+          jobs: int | None = None, progress: bool = False, max_batch: bool = False, executor: str = "local",
+          scheduler: str | None = None) -> tuple[list[str], list[dict]]:
     """Run every point of the sweep; returns the swept keys and one row per point.
 
     The axes are the grid file's (or `axes`, e.g. recommend's default space), with `--set` assignments
     replacing the axes of their keys. With `max_batch` each row is at its largest fitting micro-batch.
+    `executor` and `scheduler` say where the points run (`sweep_points`); the rows are the same.
     """
+    check_executor(executor, scheduler)
     base = read_data(path, "scenario")
     if not isinstance(base, dict):
         raise ScenarioError(f"scenario: {path} must hold a mapping")
@@ -194,8 +190,9 @@ def sweep(path: str, assignments: Iterable[str] = (), *, grid: str | None = None
         if isinstance(base.get("model"), dict) and "workload" in base["model"]:
             raise ScenarioError("--max-batch: model.workload fixes the micro-batch (the trace's); nothing to search")
     todo = points(base, all_axes)
-    results = sweep_points([data for _, data in todo], Path(path).parent, jobs=jobs, progress=progress,
-                           max_batch=max_batch)
+    folder = Path(path).parent if executor == "local" else Path(path).resolve().parent  # workers elsewhere
+    results = sweep_points([data for _, data in todo], folder, jobs=jobs, progress=progress, max_batch=max_batch,
+                           executor=executor, scheduler=scheduler)
     for result in results:
         if "unknown key" in result["error"]:  # a misspelt key: the sweep itself is wrong
             raise ScenarioError(result["error"])

@@ -55,7 +55,8 @@ BAD = {  # case: (scenario data or YAML text, words the error line must contain)
     "negative size": (_with("training", "seq_len", -5), ["training.seq_len", "-5"]),
     "invalid YAML": ("model: {hidden: 64, layers: [2\nhardware: h100\n", ["tiny.yaml", "YAML"]),
     "empty value": (_with("training", "seq_len", None), ["training.seq_len", "null"]),
-    "absurd size": (_with("model", "hidden", 10**9), ["model", "PiB"]),
+    "absurd size": (_with("model", "hidden", 10**9), ["model.hidden", "limit"]),
+    "absurd activations": ({**GOOD, "training": {"micro_batch": 2**20, "seq_len": 2**24}}, ["model", "PiB"]),
     "missing subcommand argument": (None, ["scenario"]),
 }
 
@@ -130,7 +131,15 @@ def test_json_has_documented_keys(happy):
         for part in dotted.split("."):
             assert part in node, dotted
             node = node[part]
-    assert set(data["peak"]["by_category"]) == set(CATEGORIES) | {"cuda_context", "nccl", "fragmentation"}
+    assert set(data["peak"]["by_category"]) == set(CATEGORIES)
+    assert sum(data["peak"]["by_category"].values()) == data["peak"]["allocated_bytes"]
+    over = data["memory"]["overheads_bytes"]
+    assert set(over) == {"cuda_context", "nccl", "reserved_minus_allocated"}
+    assert over["reserved_minus_allocated"] == data["peak"]["reserved_bytes"] - data["peak"]["allocated_bytes"]
+    assert data["memory"]["required_bytes"] == data["peak"]["reserved_bytes"] + over["cuda_context"] + over["nccl"]
+    persistent = data["memory"]["persistent_bytes"]
+    assert {"sharded_params", "sharded_grads", "optimizer_states"} <= set(persistent)
+    assert persistent["sharded_grads"] == max(int(v) for v in result.memory.levels[:, CATEGORIES.index("sharded_grads")])
     assert data["units"] and all(isinstance(u["params"], int) for u in data["units"])
     assert sum(u["params"] for u in data["units"]) == data["model"]["params"]
     assert data["step_time_s"] == pytest.approx(result.step_time_s)
@@ -184,10 +193,11 @@ def test_cli_surface_is_frozen():
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     surface = {name: sorted(opt for a in p._actions for opt in a.option_strings) for name, p in sub.choices.items()}
-    search = ["--color-by", "--grid", "--jobs", "--max-batch", "--plot", "--quiet", "--set", "-h", "--help", "-q"]
+    search = ["--color-by", "--executor", "--grid", "--html", "--jobs", "--max-batch", "--plot", "--quiet", "--scheduler",
+              "--set", "-h", "--help", "-q"]
     assert surface == {
-        "run": sorted(["--json", "--plot", "--quiet", "--require-fit", "--safety-margin", "--timeline-csv", "--trace",
-                       "-h", "--help", "-q"]),
+        "run": sorted(["--html", "--json", "--memory-snapshot", "--plot", "--quiet", "--require-fit", "--safety-margin",
+                       "--timeline-csv", "--trace", "-h", "--help", "-q"]),
         "sweep": sorted([*search, "--output", "-o"]),
         "recommend": sorted([*search, "--json", "--top"]),
         "trace": sorted(["--batch", "--block-type", "--dtype", "--input-shape", "--name", "--output", "--quiet", "--seq",

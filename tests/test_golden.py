@@ -17,14 +17,16 @@ from fsdp_sim.scenario import parse_scenario
 from fsdp_sim.simulate import simulate
 
 GOLDEN = Path(__file__).parent / "golden"
+# reduce_dtype spelled out: MixedPrecisionPolicy's default (None) reduces in the compute dtype
 TINY = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn_hidden": 176, "vocab": 1003}
 SCENARIOS = {
     "tiny-full-shard": {"model": TINY, "training": {"micro_batch": 2, "seq_len": 32},
-                        "hardware": {"profile": "h100-sxm", "gpus_per_node": 4}},
+                        "hardware": {"profile": "h100-sxm", "gpus_per_node": 4},
+                        "fsdp": {"mixed_precision": {"reduce_dtype": "fp32"}}},
     "tiny-hsdp-ac-sgd": {"model": TINY | {"mlp": "gelu", "tie_embeddings": True},
                          "training": {"micro_batch": 1, "seq_len": 64, "optimizer": "sgd", "activation_checkpointing": "full"},
                          "hardware": {"profile": "a100-80gb", "nodes": 2, "gpus_per_node": 2},
-                         "fsdp": {"sharding_strategy": "HYBRID_SHARD"}},
+                         "fsdp": {"sharding_strategy": "HYBRID_SHARD", "mixed_precision": {"reduce_dtype": "fp32"}}},
 }
 
 

@@ -164,7 +164,8 @@ def test_hsdp_accumulating_micro_batch_keeps_its_fp32_outputs_until_its_final_ca
     """With gradient sync every micro-batch: from the second on the all-reduced fp32 output is added into
     the sharded grad, and `_all_reduce_state` still holds it until that micro-batch's finalize_backward."""
     sc = parse_scenario(scenario_dict(MODEL, nodes=2, gpus_per_node=2, training={"grad_accumulation": 2},
-                                      fsdp={"sharding_strategy": "HYBRID_SHARD"}))
+                                      fsdp={"sharding_strategy": "HYBRID_SHARD",
+                                            "mixed_precision": {"reduce_dtype": "fp32"}}))
     ops = _graph(sc).ops
     outputs = {op.buffer.id: op for op in ops if op.kind == "alloc" and op.name.endswith("reduce-scatter output")}
     assert len(outputs) == len(sc.units) and all(op.phase == "backward #2" for op in outputs.values())

@@ -122,7 +122,8 @@ def test_collective_bytes_match_closed_forms(data):
         assert all(op.comm_bytes == w * shard * pbytes for op in ags), u.name
         n = s.grad_accumulation
         reductions = n if s.requires_gradient_sync else 1
-        kept = u.is_root or (u is sc.units[-1] and not s.reshard_last_unit)  # not resharded after forward
+        # not resharded after forward: the root, a unit its policy keeps (torchtitan's norm + head), the last
+        kept = u.is_root or u.reshard_after_forward is False or (u is sc.units[-1] and not s.reshard_last_unit)
         if w > 1:
             assert len(ags) == n * (2 if s.reshard_after_forward and not kept else 1), u.name
         assert [op.comm_bytes for op in rss] == ([w * shard * rbytes] * reductions if w > 1 else []), u.name

@@ -292,4 +292,4 @@ def test_cli_trace_errors_exit_2_with_one_line(tmp_path, monkeypatch, capsys, ar
 def test_cli_trace_without_torch(monkeypatch, capsys):
     monkeypatch.setitem(__import__("sys").modules, "torch", None)  # as if torch were not installed
     assert main(["trace", "my_factories:tiny", "--batch", "2", "--seq", "4", "-o", "w.yaml"]) == 2
-    assert "pip install 'fsdp-sim[torch]'" in capsys.readouterr().err
+    assert "pip install -e '.[torch]'" in capsys.readouterr().err

@@ -31,7 +31,9 @@ class OpCosts:
     """
 
     def __init__(self, cluster: Cluster, *, shard_size: int, replicate_size: int, compute_dtype: str,
-                 options: ComputeOptions = ComputeOptions()) -> None:
+                 options: ComputeOptions = ComputeOptions(), consecutive_groups: dict[str, int] | None = None) -> None:
+        """`consecutive_groups`: more process groups of consecutive ranks, by name and size (hpZ's
+        post-forward groups, which the backward all-gathers run in over their own links)."""
         gpu, gpn = cluster.gpu, cluster.gpus_per_node
         self.gpu = gpu
         self.compute = ComputeCosts(gpu, compute_dtype, options)
@@ -42,9 +44,10 @@ class OpCosts:
         self.groups = {
             "shard": ProcessGroup(shard_size, shard_nodes),
             "replicate": ProcessGroup(replicate_size, replicate_nodes),
-        }
+        } | {name: ProcessGroup(k, -(-k // gpn)) for name, k in (consecutive_groups or {}).items()}
         self.fabric = cluster.fabric  # the profile's fabric with the scenario's hardware.network applied
         self.ring = {"shard": (shard_size - 1) / shard_size, "replicate": 2 * (replicate_size - 1) / replicate_size}
+        self.ring |= {name: (k - 1) / k for name, k in (consecutive_groups or {}).items()}  # all-gathers in them
         self.nccl_channels = self.fabric.nccl_channels  # SMs one collective holds (profile, [C26])
         self._loads = {name: {k: link_loads(k, g, self.fabric) for k in COLLECTIVES} for name, g in self.groups.items()}
         self._collective: dict[tuple, float] = {}  # by (kind, bytes, group): units of one size share a price

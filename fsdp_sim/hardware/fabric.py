@@ -17,7 +17,7 @@ import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
-from fsdp_sim.errors import ScenarioError
+from fsdp_sim.errors import ScenarioError, show
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 SCALE_UP_LINKS = {"nvswitch": "nvlink", "xgmi_mesh": "xgmi", "pcie": "pcie"}  # fabric.scale_up -> link name
@@ -153,12 +153,27 @@ def _mapping(where: str, data, keys: set[str]) -> dict:
     return data
 
 
+# the largest value of each kind of figure, and the smallest of a rate: far outside any real fabric, so
+# that every collective's time stays finite
+_LIMITS = {"latency": (0.0, 1.0), "rate": (1e-3, 1e16), "count": (1, 1 << 20), "size": (1.0, 2.0 ** 60)}
+
+
+def _kind(where: str) -> str:
+    leaf = where.rsplit(".", 1)[-1]
+    if leaf.endswith("latency_s") or leaf.endswith("overhead_s"):
+        return "latency"
+    if leaf in ("ranks", "nodes", "nccl_channels", "nics_per_node"):
+        return "count"
+    return "size" if leaf == "size_bytes" else "rate"
+
+
 def _positive(where: str, value, *, integer: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
-        raise ScenarioError(f"{where}: must be a positive number, got {value!r}")
+    low, high = _LIMITS[_kind(where)]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and low <= value <= high):
+        raise ScenarioError(f"{where}: must be a positive number in [{low:g}, {high:g}], got {show(value)}")
     if integer:
         if value != int(value):
-            raise ScenarioError(f"{where}: must be an integer, got {value!r}")
+            raise ScenarioError(f"{where}: must be an integer, got {show(value)}")
         return int(value)
     return float(value)
 
@@ -172,15 +187,15 @@ def check_network_value(where: str, key: str, value):
     number = _positive(where, value, integer=key == "nics_per_node")
     if key == "nic_efficiency" and number > 1:
         raise ScenarioError(f"{where}: must be in (0, 1], got {value!r}")
-    if key == "oversubscription" and number < 1:
-        raise ScenarioError(f"{where}: must be >= 1 (1 = non-blocking), got {value!r}")
+    if key == "oversubscription" and not 1 <= number <= 1000:
+        raise ScenarioError(f"{where}: must be in [1, 1000] (1 = non-blocking), got {value!r}")
     return number
 
 
 def _curve(where: str, data) -> SizeCurve:
     data = _mapping(where, data, {"collective", "ranks", "nodes", "latency_s", "size_bytes", "busbw_GBps"})
-    if data["collective"] not in KINDS:
-        raise ScenarioError(f"{where}.collective: {data['collective']!r} is not one of {list(KINDS)}")
+    if not isinstance(data["collective"], str) or data["collective"] not in KINDS:
+        raise ScenarioError(f"{where}.collective: {show(data['collective'])} is not one of {list(KINDS)}")
     ranks, nodes = _positive(f"{where}.ranks", data["ranks"], integer=True), _positive(f"{where}.nodes", data["nodes"], integer=True)
     if ranks < 2 or nodes > ranks:
         raise ScenarioError(f"{where}: needs 2 or more ranks and at most one node per rank, got {ranks} ranks on {nodes} nodes")
@@ -202,8 +217,8 @@ def _curve(where: str, data) -> SizeCurve:
 def parse_fabric(data, where: str, gpus_per_node: int) -> Fabric:
     """`data` is a profile's `fabric:` mapping; `where` prefixes error messages (`<path>: fabric`)."""
     data = _mapping(where, data, {"scale_up", "nccl_channels", "ring", "nvls", "network"})
-    if data["scale_up"] not in SCALE_UP_LINKS:
-        raise ScenarioError(f"{where}.scale_up: {data['scale_up']!r} is not one of {sorted(SCALE_UP_LINKS)}")
+    if not isinstance(data["scale_up"], str) or data["scale_up"] not in SCALE_UP_LINKS:
+        raise ScenarioError(f"{where}.scale_up: {show(data['scale_up'])} is not one of {sorted(SCALE_UP_LINKS)}")
     ring = _mapping(f"{where}.ring", data["ring"], {f"{k}_busbw_Bps" for k in KINDS} | {"hop_latency_s", "size_curve"})
     ring = Ring(*(_positive(f"{where}.ring.{k}_busbw_Bps", ring[f"{k}_busbw_Bps"]) for k in KINDS),
                 _positive(f"{where}.ring.hop_latency_s", ring["hop_latency_s"]), _curve(f"{where}.ring.size_curve", ring["size_curve"]))

@@ -1,6 +1,6 @@
 """Measured kernel throughputs the compute model interpolates, each table with its source beside it.
 
-Source keys are those of /work/shared/reference/component-timing.md ([C1] ... [C35]) and hardware.md ([S#]).
+Source keys ([C#], [S#]) are listed with their public sources in hardware_profiles/README.md ("Source keys").
 Nothing here is fitted to a whole-model training throughput: every figure is a single-kernel measurement.
 """
 

@@ -14,12 +14,14 @@ from functools import cache
 from pathlib import Path
 
 from fsdp_sim.datafile import read_data
-from fsdp_sim.errors import ScenarioError
+from fsdp_sim.dtypes import DTYPE_BYTES
+from fsdp_sim.errors import ScenarioError, show
 from fsdp_sim.hardware.fabric import Fabric, Network, parse_fabric
 
 REPO_PROFILES = Path(__file__).resolve().parents[2] / "hardware_profiles"
 _TOP_KEYS = {"name", "description", "arch", "sm_count", "memory_bytes", "hbm_bandwidth_Bps", "peak_flops",
              "matmul_efficiency", "gpus_per_node", "fabric", "cuda_context_bytes", "nccl_bytes"}
+_PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")  # a file stem in a profile folder
 _ARCH = re.compile(r"sm\d{2,3}|gfx\d{3,4}[a-z]?")  # CUDA compute capability (sm80, sm90, sm100) or AMD target (gfx942)
 
 
@@ -75,11 +77,18 @@ class Cluster:
         return fabric if self.network is None else replace(fabric, network=self.network)
 
 
+# (smallest, largest) of each figure: far outside any GPU, so every time and byte count stays finite and exact
+_RANGES = {"sm_count": (1, 1 << 16), "memory_bytes": (1 << 20, 1 << 50), "hbm_bandwidth_Bps": (1e9, 1e15),
+           "peak_flops": (1e9, 1e18), "gpus_per_node": (1, 1024), "cuda_context_bytes": (1, 1 << 40),
+           "nccl_bytes": (1, 1 << 40)}
+
+
 def _number(path: str, key: str, value, *, integer: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ScenarioError(f"{path}: {key} must be a positive number, got {value!r}")
+    low, high = _RANGES[key.split(".")[0]]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ScenarioError(f"{path}: {key} must be a number in [{low:g}, {high:g}], got {show(value)}")
     if integer and value != int(value):
-        raise ScenarioError(f"{path}: {key} must be an integer, got {value!r}")
+        raise ScenarioError(f"{path}: {key} must be an integer, got {show(value)}")
     return int(value) if integer else float(value)
 
 
@@ -95,16 +104,20 @@ def _check_keys(path: str, where: str, data, expected: set[str]) -> None:
 def parse_profile(data, path: str) -> GpuProfile:
     _check_keys(path, "", data, _TOP_KEYS)
     peaks = data["peak_flops"]
-    if not isinstance(peaks, dict) or not peaks:
-        raise ScenarioError(f"{path}: peak_flops must map dtypes to FLOP/s")
+    if not isinstance(peaks, dict) or not peaks or not all(k in DTYPE_BYTES for k in peaks):
+        raise ScenarioError(f"{path}: peak_flops must map dtypes ({', '.join(DTYPE_BYTES)}) to FLOP/s")
     eff = data["matmul_efficiency"]
-    if not isinstance(eff, (int, float)) or not 0 < eff <= 1:
-        raise ScenarioError(f"{path}: matmul_efficiency must be in (0, 1], got {eff!r}")
+    if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0 < eff <= 1:
+        raise ScenarioError(f"{path}: matmul_efficiency must be in (0, 1], got {show(eff)}")
     if not isinstance(data["arch"], str) or not _ARCH.fullmatch(data["arch"]):
-        raise ScenarioError(f"{path}: arch must be like sm80, sm90, sm100 or gfx942, got {data['arch']!r}")
+        raise ScenarioError(f"{path}: arch must be like sm80, sm90, sm100 or gfx942, got {show(data['arch'])}")
+    for key in ("name", "description"):
+        if not isinstance(data[key], str) or not data[key].isprintable() or len(data[key]) > 200:
+            raise ScenarioError(f"{path}: {key} must be one printable line of at most 200 characters, "
+                                f"got {show(data[key])}")
     gpus_per_node = _number(path, "gpus_per_node", data["gpus_per_node"], integer=True)
     return GpuProfile(
-        name=str(data["name"]), description=str(data["description"]), arch=data["arch"],
+        name=data["name"], description=data["description"], arch=data["arch"],
         sm_count=_number(path, "sm_count", data["sm_count"], integer=True),
         memory_bytes=_number(path, "memory_bytes", data["memory_bytes"], integer=True),
         hbm_bandwidth_Bps=_number(path, "hbm_bandwidth_Bps", data["hbm_bandwidth_Bps"]),
@@ -131,9 +144,10 @@ def load_profile(name_or_path: str) -> GpuProfile:
     """A profile by name (a file stem in `hardware_profiles/`) or by path to a YAML file."""
     path = Path(name_or_path)
     if path.suffix not in (".yaml", ".yml"):
-        found = [d / f"{name_or_path}.yaml" for d in _profile_dirs() if (d / f"{name_or_path}.yaml").is_file()]
+        found = [d / f"{name_or_path}.yaml" for d in _profile_dirs()
+                 if _PROFILE_NAME.fullmatch(name_or_path) and (d / f"{name_or_path}.yaml").is_file()]
         if not found:
-            raise ScenarioError(f"hardware.profile: unknown profile {name_or_path!r}, expected one of {profile_names()} "
-                                f"or a path to a .yaml file")
+            raise ScenarioError(f"hardware.profile: unknown profile {show(name_or_path)}, expected one of "
+                                f"{profile_names()} or a path to a .yaml file")
         path = found[0]
     return parse_profile(read_data(path, "hardware.profile"), str(path))

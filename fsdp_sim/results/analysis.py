@@ -13,9 +13,11 @@ import numpy as np
 from collections.abc import Callable
 
 from fsdp_sim.engine import MemoryTrace, Timing
+from fsdp_sim.errors import ScenarioError
 from fsdp_sim.hardware.kernels import KernelTimes
 from fsdp_sim.scenario import Scenario
 from fsdp_sim.schedule.ops import CATEGORIES, COLLECTIVES, Op, OpGraph
+from fsdp_sim.schedule.settings import post_forward_group
 
 def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[list[float]] = []
@@ -69,6 +71,7 @@ class StepResult:
             s = self.scenario.settings
             ring = {"shard": (s.shard_size - 1) / s.shard_size,
                     "replicate": 2 * (s.replicate_size - 1) / s.replicate_size}
+            ring |= {post_forward_group(k): (k - 1) / k for k in s.post_forward_sizes}  # hpZ all-gathers
             start, end, issued = self.timing.start.tolist(), self.timing.end.tolist(), self.timing.issued.tolist()
             busy: list[tuple[float, float]] = []
             comm: dict[str, list[tuple[float, float]]] = {k: [] for k in COLLECTIVES}
@@ -130,7 +133,11 @@ class StepResult:
         peak = sc.cluster.gpu.matmul_peak(sc.settings.param_dtype, sc.compute.allow_tf32)
         flops = sc.workload.model_flops * sc.settings.grad_accumulation
         mfu = flops / (self.step_time_s * peak) if self.step_time_s > 0 else 0.0
-        return {"busy_s": _length(busy), "mfu": mfu, "model_flops": flops, "breakdown": dict(causes)}
+        if mfu > 1 + 1e-9:  # cannot be true: FLOPs no kernel was priced for, or measured times faster than peak
+            raise ScenarioError(f"model: {flops:.3g} model FLOPs in a {self.step_time_s * 1e3:.3g} ms step would be "
+                                f"an MFU of {100 * mfu:.0f} % on {sc.cluster.gpu.name}; the workload's model_flops "
+                                "exceed what its modules' kernels and times run")
+        return {"busy_s": _length(busy), "mfu": min(mfu, 1.0), "model_flops": flops, "breakdown": dict(causes)}
 
     def throughput(self) -> dict:
         sc = self.scenario
@@ -150,10 +157,8 @@ class StepResult:
         levels = self.memory.levels[row]
         allocated = int(levels.sum())
         op = self.memory.events[row - 1][0] if row else None
-        gpu = self.scenario.cluster.gpu
         reserved = self.memory.reserved_bytes
-        by_category = {c: int(v) for c, v in zip(CATEGORIES, levels)}
-        by_category.update(cuda_context=gpu.cuda_context_bytes, nccl=gpu.nccl_bytes, fragmentation=reserved - allocated)
+        by_category = {c: int(v) for c, v in zip(CATEGORIES, levels)}  # sums to allocated; overheads: memory_summary
         live = sorted(self.memory.live_at(row), key=lambda b: (-b.nbytes, b.id))[:top]
         return {"allocated_bytes": allocated, "reserved_bytes": reserved, "time_s": float(self.memory.time[row]),
                 "phase": op.phase if op else "before step", "unit": (op.unit or None) if op else None,
@@ -161,16 +166,26 @@ class StepResult:
                 "live_buffers": [{"name": b.name, "category": b.category, "bytes": b.nbytes, "unit": b.unit or None} for b in live]}
 
     def memory_summary(self, peak: dict) -> dict:
+        """Capacity, budget, required = reserved + CUDA context + NCCL, fits, headroom; the overheads beside
+        the peak's categories (`overheads_bytes`); the model state per rank (`persistent_bytes`: what
+        persists across steps, plus the sharded gradients, held from their reduce-scatter to zero_grad)."""
         gpu = self.scenario.cluster.gpu
+        allocated = peak.get("allocated_bytes")
+        if allocated is None:
+            allocated = int(self.memory.levels[self.peak_row].sum())
         margin = self.scenario.safety_margin
-        required = peak["reserved_bytes"] + gpu.cuda_context_bytes + gpu.nccl_bytes
-        budget = gpu.memory_bytes * (1 - margin)
+        required = int(peak["reserved_bytes"]) + gpu.cuda_context_bytes + gpu.nccl_bytes
+        budget = int(gpu.memory_bytes * (1 - margin))  # whole bytes, so headroom = budget - required exactly
         persistent = {c: 0 for c in CATEGORIES}
         for b in self.memory.persistent:
             persistent[b.category] += b.nbytes
-        return {"capacity_bytes": gpu.memory_bytes, "safety_margin": margin, "budget_bytes": int(budget),
-                "required_bytes": int(required), "fits": required <= budget, "headroom_bytes": int(budget - required),
-                "persistent_bytes": {c: v for c, v in persistent.items() if v}}
+        grads = CATEGORIES.index("sharded_grads")
+        persistent["sharded_grads"] = max(persistent["sharded_grads"], int(self.memory.levels[:, grads].max()))
+        return {"capacity_bytes": gpu.memory_bytes, "safety_margin": margin, "budget_bytes": budget,
+                "required_bytes": required, "fits": required <= budget, "headroom_bytes": budget - required,
+                "persistent_bytes": {c: v for c, v in persistent.items() if v},
+                "overheads_bytes": {"cuda_context": gpu.cuda_context_bytes, "nccl": gpu.nccl_bytes,
+                                    "reserved_minus_allocated": peak["reserved_bytes"] - allocated}}
 
     def to_dict(self) -> dict:
         sc = self.scenario

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
+
+from fsdp_sim.engine.ledger import allocator_size
 from fsdp_sim.results.analysis import StepResult
 from fsdp_sim.schedule.ops import CATEGORIES
 
@@ -15,8 +18,9 @@ TRACE_STREAMS = ("compute", "all_gather_copy_in", "all_gather", "reduce_scatter"
 
 def chrome_trace(result: StepResult, rank: int = 0) -> dict:
     """Trace Event Format (microseconds): a process per rank, a thread per stream plus the CPU issue thread
-    (each op's launch cost, ending when the op is issued), memory counters. A slice's args give the op's
-    time alone (`alone_us`): a slice longer than that was slowed by what ran beside it."""
+    (each op's launch cost, ending when the op is issued), memory counters (per category, allocated, and
+    reserved as the ledger models it). A slice's args give the op's time alone (`alone_us`): a slice
+    longer than that was slowed by what ran beside it."""
     pid = rank
     events: list[dict] = [{"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"rank {rank} (simulated)"}}]
     streams = ["cpu"] + list(TRACE_STREAMS) + sorted({op.stream for op in result.graph.ops} - set(TRACE_STREAMS))
@@ -44,7 +48,8 @@ def chrome_trace(result: StepResult, rank: int = 0) -> dict:
                        "ts": float(start[op.id]) * 1e6, "dur": float(end[op.id] - start[op.id]) * 1e6, "args": args})
     mem = result.memory
     previous = None
-    for t, row in zip(mem.time, mem.levels):
+    reserved = reserved_timeline(result)
+    for t, row, held in zip(mem.time, mem.levels, reserved):
         if previous is not None and (row == previous).all():
             continue
         for c, (name, value) in enumerate(zip(CATEGORIES, row)):
@@ -53,8 +58,34 @@ def chrome_trace(result: StepResult, rank: int = 0) -> dict:
                                "args": {"bytes": int(value)}})
         events.append({"ph": "C", "pid": pid, "name": "memory allocated (bytes)", "ts": float(t) * 1e6,
                        "args": {"bytes": int(row.sum())}})
+        events.append({"ph": "C", "pid": pid, "name": "memory reserved (bytes)", "ts": float(t) * 1e6,
+                       "args": {"bytes": int(held)}})
         previous = row
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"tool": "fsdp-sim", "scenario": result.scenario.name}}
+
+
+def reserved_timeline(result: StepResult) -> np.ndarray:
+    """Reserved bytes after each memory event (row 0: the persistent state), as the ledger models them
+    (engine/ledger.py `replay`): per stream pool the high-water mark of its rounded live blocks, summed.
+    Never decreases (no empty_cache); the last value is `peak.reserved_bytes`."""
+    mem = result.memory
+    persistent = sum(allocator_size(b.nbytes) for b in mem.persistent)
+    level, high, pool_of = {"compute": persistent}, {"compute": persistent}, {}
+    total = persistent
+    out = np.empty(len(mem.events) + 1, dtype=np.int64)
+    out[0] = total
+    for i, (op, buf, sign) in enumerate(mem.events, 1):
+        if sign > 0:
+            pool_of[buf.id] = pool = op.stream
+            level[pool] = used = level.get(pool, 0) + allocator_size(buf.nbytes)
+            if used > high.get(pool, 0):
+                total += used - high.get(pool, 0)
+                high[pool] = used
+        else:
+            pool = pool_of.pop(buf.id, "compute")  # a persistent buffer lives in the compute pool
+            level[pool] -= allocator_size(buf.nbytes)
+        out[i] = total
+    return out
 
 
 def timeline_csv(result: StepResult) -> str:

@@ -17,7 +17,7 @@ def summary(d: dict) -> str:
     """Human-readable text from `StepResult.to_dict()` output."""
     peak, mem, comm, comp, f = d["peak"], d["memory"], d["communication"], d["compute"], d["fsdp"]
     tp, br = d["throughput"], comp["breakdown"]
-    hw = d["hardware"]
+    hw, over = d["hardware"], mem["overheads_bytes"]
     lines = [
         f"fsdp-sim: {d['scenario']} — {d['model']['name']} ({d['model']['params'] / 1e9:.2f} B params) on "
         f"{hw['nodes']}x{hw['gpus_per_node']} {hw['profile']} ({hw['world_size']} GPUs)",
@@ -43,7 +43,9 @@ def summary(d: dict) -> str:
         f"Peak allocated       {fmt_bytes(peak['allocated_bytes'])} at {fmt_time(peak['time_s'])} "
         f"({peak['phase']}, {'unit ' + peak['unit'] if peak['unit'] else 'outside the FSDP units'}, op '{peak['op']}')",
         f"Peak reserved        {fmt_bytes(peak['reserved_bytes'])} (allocator pools per stream, no fragmentation model)",
-        "  by category at the peak:",
+        f"  reserved - allocated {fmt_bytes(over['reserved_minus_allocated'])}: freed blocks the stream pools keep "
+        "cached, and size rounding",
+        "  by category at the peak (they sum to peak allocated):",
     ]
     for cat, value in peak["by_category"].items():
         if value:
@@ -56,7 +58,8 @@ def summary(d: dict) -> str:
         "",
         f"GPU memory           {fmt_bytes(mem['capacity_bytes'])}; budget with {100 * mem['safety_margin']:.0f} % margin "
         f"{fmt_bytes(mem['budget_bytes'])}",
-        f"Required             {fmt_bytes(mem['required_bytes'])} (reserved + CUDA context + NCCL)  -> {verdict}, "
+        f"Required             {fmt_bytes(mem['required_bytes'])} (reserved + CUDA context "
+        f"{fmt_bytes(over['cuda_context'])} + NCCL {fmt_bytes(over['nccl'])})  -> {verdict}, "
         f"headroom {fmt_bytes(mem['headroom_bytes'])}",
     ]
     return "\n".join(lines)

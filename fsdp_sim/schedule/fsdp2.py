@@ -4,15 +4,19 @@ One method per hook, in the order PyTorch calls them, so it can be read beside
 `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py` (see docs/fsdp2-runtime.md for the
 source references). Streams: `compute` (current stream), `all_gather_copy_in`, `all_gather`,
 `reduce_scatter`, `all_reduce`; all collectives of one process group share one NCCL lane, so they
-run in issue order whatever their stream.
+run in issue order whatever their stream. Process groups: `shard`, `replicate` (HSDP) and, for
+`reshard_after_forward=k` (hpZ), `post_forward_<k>`: the DeviceMesh `_get_post_forward_mesh_info`
+builds, groups of k consecutive ranks that the backward all-gathers run in.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fsdp_sim.dtypes import itemsize
 from fsdp_sim.schedule.ops import Buffer, Op, OpGraph
 from fsdp_sim.schedule.optimizers import states_per_param, step_cost
-from fsdp_sim.schedule.settings import FSDPSettings
+from fsdp_sim.schedule.settings import FSDPSettings, post_forward_group
 from fsdp_sim.workload.model import Module, Workload
 from fsdp_sim.wrap import Unit
 
@@ -35,18 +39,27 @@ class FSDP2Runtime:
         self.first = {u.name: u.modules[0] for u in inner}
         self.last = {u.name: u.modules[-1] for u in inner}
         self.last_inner = inner[-1].name if inner else None
+        # what each unit passed to fully_shard (True, False or an hpZ group size) and its output_dtype
+        self.reshard_after_forward = {u.name: self._reshard_after_forward_arg(u) for u in units}
+        self.output_dtype = {u.name: settings.output_dtype_of(u.name) for u in units}
+        # a unit without parameters has no param group: no all-gather, no place in the prefetch orders
+        self.pre_forward_order = [u for u in units if u.params]
         self.unsharded: dict[str, Buffer | None] = {u.name: None for u in units}
+        self.sharded_post_forward: dict[str, tuple[Buffer, ...]] = {}  # hpZ: the 1/k copies kept after forward
+        self.reshard_after_forward_events: dict[str, Op] = {}  # PG._reshard_after_forward_event, by unit
         self.pending_all_gather: dict[str, tuple[Buffer, Op] | None] = {}  # None: shard group of one
         self.all_gather_state: tuple[Buffer, Op] | None = None
         self.all_gather_streams_wait: Op | None = None  # an event the next copy-in waits on
         self.reduce_scatter_state: tuple[Buffer, Op] | None = None  # reduce_scatter_states, at most one (K = 1)
         self.last_post_reduce_events: dict[str, Op] = {}  # FSDPCommContext._last_post_reduce_events, by stream
         self.all_reduce_states: dict[str, Buffer] = {}  # HSDP: a group's _all_reduce_state, when it holds memory
+        self.partial_reduce_outputs: dict[str, Buffer] = {}  # HSDP without all-reduce: PG._partial_reduce_output
         self.post_forward_order: list[Unit] = []
         self.unsharded_grads: dict[str, Buffer] = {}  # this backward's, by parameter
         self.accumulated_grads: dict[str, Buffer] = {}  # kept across micro-batches without gradient sync
         self.sharded_grads: dict[str, Buffer] = {}  # by unit
         self.outputs: dict[str, Buffer] = {}
+        self.output_dtypes: dict[str, str] = {}  # a module's output cast away from the compute dtype, by module
         self.saved: dict[str, Buffer] = {}
         self.grad_output: Buffer | None = None
         self.activation_bytes = itemsize(workload.activation_dtype)
@@ -55,16 +68,43 @@ class FSDP2Runtime:
         self.shard = {u.name: u.shard_numel(settings.shard_size) for u in units}
         self.trainable_shard = {u.name: u.shard_numel(settings.shard_size, trainable_only=True) for u in units}
         self.post_forward_index: dict[str, int] = {}
-        self.reduce_grads = True  # False in a micro-batch without gradient sync
+        # per micro-batch: set_requires_gradient_sync, set_requires_all_reduce, set_reshard_after_backward
+        self.reduce_grads = True
+        self.all_reduce_grads = True
+        self.reshard_after_backward = True
         self.inputs: Buffer | None = None  # the current batch: replaced by the next, kept through the step
+
+    def _reshard_after_forward_arg(self, u: Unit) -> bool | int:
+        """The unit's `reshard_after_forward` as its param group holds it after `_lazy_init`.
+
+        The root keeps its parameters only when it was given None (`_auto_reshard_after_forward`);
+        a policy may fix an inner unit's value (torchtitan's norm + head group: False).
+        """
+        s = self.s
+        if u.is_root:
+            return False if s.root_reshard_after_forward is None else s.root_reshard_after_forward
+        if u.reshard_after_forward is not None:
+            return u.reshard_after_forward
+        if u.name == self.last_inner and not s.reshard_last_unit:
+            return False
+        return s.reshard_after_forward
 
     # ---- the step -------------------------------------------------------------------------
     def build(self) -> OpGraph:
-        """Forward and backward of every micro-batch, then the optimizer step."""
+        """Forward and backward of every micro-batch, then the optimizer step.
+
+        Before each micro-batch the training loop calls the FSDP2 setters; all but the last micro-batch
+        get the scenario's values, the last one gets True (the gradients are reduced, all-reduced and
+        the parameters resharded once the step's backward ends).
+        """
+        s = self.s
         self._persistent_state()
         last_reduce = None
-        for micro_batch in range(self.s.grad_accumulation):
-            self.reduce_grads = self.s.requires_gradient_sync or micro_batch == self.s.grad_accumulation - 1
+        for micro_batch in range(s.grad_accumulation):
+            last = micro_batch == s.grad_accumulation - 1
+            self.reduce_grads = s.requires_gradient_sync or last
+            self.all_reduce_grads = s.requires_all_reduce or last
+            self.reshard_after_backward = s.reshard_after_backward or last
             last_reduce = self.micro_batch(micro_batch) or last_reduce
         self.optimizer_step(last_reduce)
         self.g.free(COMPUTE, self.inputs)
@@ -83,15 +123,15 @@ class FSDP2Runtime:
         for m in self.wl.modules:
             unit = self.unit_of.get(m.name)
             if m.name == self.model_first:
-                self.pre_forward(self.root)
+                self.pre_forward(self.root, prev)
             if unit is not None and self.first[unit.name] == m.name:
-                self.pre_forward(unit)
+                self.pre_forward(unit, prev)
             g.unit = self._owner(m, unit)
-            self.forward_compute(m, prev)
+            self.forward_compute(self._as_consumed(m, prev), prev)
             if unit is not None and self.last[unit.name] == m.name:
-                self.post_forward(unit)
+                self.post_forward(unit, m)
             if m.name == self.model_last:
-                self.post_forward(self.root)
+                self.post_forward(self.root, m)
             prev = m
         g.phase = "backward" + suffix
         modules = list(self.wl.modules)
@@ -114,6 +154,16 @@ class FSDP2Runtime:
             return unit.name
         return self.root.name if m.in_model else ""
 
+    def _as_consumed(self, m: Module, prev: Module | None) -> Module:
+        """The loss as it runs on its input: it upcasts the logits with `.float()` (torchtitan's
+        `cross_entropy_loss`, the referee's `loss_fn`), a no-op on logits a unit's `output_dtype` already
+        made fp32, so the fp32 copy among its forward temporaries is not made."""
+        if m.in_model or m.kind != "loss" or prev is None or self.output_dtypes.get(prev.name) != "fp32":
+            return m
+        if self.s.param_bytes == 4:  # fp32 compute: the workload already has no copy
+            return m
+        return replace(m, fwd_temp_bytes=max(0, m.fwd_temp_bytes - prev.output_bytes * 4 // self.s.param_bytes))
+
     def _persistent_state(self) -> None:
         """Sharded fp32 parameters (dim-0 padded) and optimizer states exist before the step."""
         s, g = self.s, self.g
@@ -126,59 +176,91 @@ class FSDP2Runtime:
             if trainable and states:
                 g.persistent_alloc(f"{u.name} {s.optimizer} states", "optimizer_states", states * trainable * 4)
 
-    # ---- hooks (FSDPParamGroup) ---------------------------------------------------------
-    def pre_forward(self, u: Unit) -> None:
+    # ---- hooks (FSDPState / FSDPParamGroup) ----------------------------------------------------
+    def pre_forward(self, u: Unit, inputs: Module | None = None) -> None:
+        """ST:_pre_forward: cast the floating inputs, PG:pre_forward (unshard, wait), then the explicit
+        forward prefetch: `set_modules_to_forward_prefetch` targets unshard after this unit's copy-out,
+        before its compute (each all-gather output then waits its own copy-out, as in the implicit path)."""
         self.g.unit = u.name
+        if inputs is not None:
+            self.cast_forward_inputs(inputs)
         self.unshard(u)
         self.wait_for_unshard(u, in_forward=True)
-
-    def post_forward(self, u: Unit) -> None:
+        for target in self._forward_prefetch_targets(u):
+            self.g.unit = target.name
+            self.unshard(target)
         self.g.unit = u.name
-        # the root is not resharded after forward: its parameters are needed first in backward
-        keep_last = u.name == self.last_inner and not self.s.reshard_last_unit
-        if not u.is_root and self.s.reshard_after_forward and not keep_last:
+
+    def _forward_prefetch_targets(self, u: Unit) -> list[Unit]:
+        """`fsdp.forward_prefetch: k`: the next k units in forward order (none by default)."""
+        if not self.s.forward_prefetch or u not in self.pre_forward_order:
+            return []
+        i = self.pre_forward_order.index(u)
+        return self.pre_forward_order[i + 1:i + 1 + self.s.forward_prefetch]
+
+    def post_forward(self, u: Unit, output: Module) -> None:
+        """PG:post_forward (reshard, record the post-forward order), then ST:_post_forward: the unit's
+        output is cast to its output_dtype, and the root releases the last forward all-gather output.
+
+        Reshard: True frees the unsharded parameters; an int k keeps this rank's 1/k of them (hpZ);
+        False (and the root given None) keeps them all: its parameters are needed first in backward.
+        """
+        self.g.unit = u.name
+        reshard = self.reshard_after_forward[u.name]
+        if reshard is True:
             self.reshard(u)
+        elif reshard:
+            self.reshard_to_post_forward(u, reshard)
+        if u.params:
+            self.post_forward_index[u.name] = len(self.post_forward_order)
+            self.post_forward_order.append(u)
+        self.cast_output_dtype(u, output)
         if u.is_root and self.all_gather_state is not None:
-            # the root's post-forward releases the last forward all-gather output
+            # the root's post-forward releases the last forward all-gather output; its walrus local
+            # keeps the output alive until _post_forward returns, after the output cast
             self.g.free(COMPUTE, self.all_gather_state[0])
             self.all_gather_state = None
-        self.post_forward_index[u.name] = len(self.post_forward_order)
-        self.post_forward_order.append(u)
 
     def pre_backward(self, u: Unit) -> None:
-        """PG:pre_backward: unshard unless prefetched, then FSDP2's default backward prefetch.
+        """PG:pre_backward: unshard unless prefetched, then the backward prefetch.
 
         `_backward_prefetch` all-gathers the unit before this one in post-forward order, issued
-        before this unit's gradient kernels (FSDP1's BACKWARD_PRE). `backward_prefetch=False` is
-        `m.set_modules_to_backward_prefetch([m])` on every FSDP module m: a non-empty list turns
+        before this unit's gradient kernels (FSDP1's BACKWARD_PRE); `backward_prefetch: k` is
+        `set_modules_to_backward_prefetch` with the k units before it (ST:_pre_backward prefetches them
+        in list order; the ones already pending or unsharded are no-ops). `backward_prefetch=False`
+        is `m.set_modules_to_backward_prefetch([m])` on every FSDP module m: a non-empty list turns
         `default_prefetch` off (ST:_pre_backward) and prefetching itself is a no-op (PG:unshard
         returns when already unsharded). An empty list would keep the default.
         """
+        if u.name not in self.post_forward_index:  # no param group
+            return
         self.g.unit = u.name
         if self.unsharded[u.name] is None:
             self.unshard(u)
             self.wait_for_unshard(u, in_forward=False)
         index = self.post_forward_index[u.name]
-        if index > 0 and self.s.backward_prefetch:
-            target = self.post_forward_order[index - 1]
+        for target in reversed(self.post_forward_order[max(0, index - self.s.backward_prefetch):index]):
             self.g.unit = target.name
             self.unshard(target)
-            self.g.unit = u.name
+        self.g.unit = u.name
 
     def post_backward(self, u: Unit) -> None:
         """PG:post_backward: accumulate, reshard, recycle the previous reduce-scatter input, reduce.
 
-        The compute stream waits the previous group's *reduce-scatter* event, not its all-reduce
-        nor its post-reduce ops, then drops that group's input (`reduce_scatter_states` drained to
-        K - 1 = 0), before this group's input is allocated. `_wait_for_post_backward` (a group's own
-        earlier reduction) never waits here: `finalize_backward` clears it at the end of every
-        backward (`is_last_backward` stays True). A module without parameters has no param group.
+        Reshard only if `reshard_after_backward` (`set_reshard_after_backward(False)` keeps the
+        parameters for the next micro-batch's forward). The compute stream waits the previous
+        group's *reduce-scatter* event, not its all-reduce nor its post-reduce ops, then drops that
+        group's input (`reduce_scatter_states` drained to K - 1 = 0), before this group's input is
+        allocated. `_wait_for_post_backward` (a group's own earlier reduction) never waits here:
+        `finalize_backward` clears it at the end of every backward (`is_last_backward` stays True).
+        A module without parameters has no param group.
         """
         if not u.params:
             return
         self.g.unit = u.name
         self.accumulate_unsharded_grads(u)
-        self.reshard(u)
+        if self.reshard_after_backward:
+            self.reshard(u)
         if not self.reduce_grads:
             self.to_accumulated_grads(u)
             return
@@ -195,12 +277,16 @@ class FSDP2Runtime:
 
         The groups autograd never reached run `post_backward` now: the root's, whose inputs (token
         ids) need no gradient. Then every group's `finalize_backward` (root first, `all_states`
-        order), then the compute stream waits the retained reduce-scatter event and drops the last
-        input. Returns the last op the compute stream waited, for the optimizer step to follow.
+        order), which also forgets the post-forward order (`is_last_backward`: every backward, so a
+        micro-batch prefetches only within itself), then the compute stream waits the retained
+        reduce-scatter event and drops the last input. Returns the last op the compute stream
+        waited, for the optimizer step to follow.
         """
         self.post_backward(self.root)
         self.g.unit = self.root.name
         waits = self.finalize_backward()
+        self.post_forward_order.clear()
+        self.post_forward_index.clear()
         if self.reduce_scatter_state is None:  # a frozen unit recycled it after the last reduction
             return waits[-1] if waits else None  # one post-reduce stream per run
         buf, reduce_scatter_event = self.reduce_scatter_state
@@ -250,29 +336,82 @@ class FSDP2Runtime:
             g.free(COMPUTE, grad)
             self.accumulated_grads[p.name] = acc
 
+    # ---- mixed precision at unit boundaries (ST:_cast_forward_inputs, ST:_cast_output_dtype) -------
+    def cast_forward_inputs(self, inputs: Module) -> None:
+        """A unit's floating input (the previous module's output) cast to param_dtype, a new tensor,
+        only if `cast_forward_inputs` and a param_dtype is set (not fp32 = the storage dtype, which
+        FSDP2 clamps to None) and the input is in another dtype (an earlier unit's output_dtype)."""
+        s = self.s
+        if not s.cast_forward_inputs or s.param_dtype == s.storage_dtype or inputs.name not in self.outputs:
+            return
+        if self.output_dtypes.get(inputs.name, s.param_dtype) != s.param_dtype:
+            self._cast_output(inputs.name, s.param_dtype)
+
+    def cast_output_dtype(self, u: Unit, output: Module) -> None:
+        """The unit's output (its last module's) cast to the policy's output_dtype, if set and different."""
+        dtype = self.output_dtype[u.name]
+        if dtype is not None and output.name in self.outputs \
+                and self.output_dtypes.get(output.name, self.s.param_dtype) != dtype:
+            self._cast_output(output.name, dtype)
+
+    def _cast_output(self, module: str, dtype: str) -> None:
+        """`_cast_fp_tensor`: a copy in `dtype` on the compute stream; the original, which autograd does not
+        keep (a dtype cast saves nothing for backward), is freed once the copy exists."""
+        g, s = self.g, self.s
+        buf = self.outputs[module]
+        current = self.output_dtypes.get(module, s.param_dtype)
+        new = g.alloc(COMPUTE, f"{module} output in {dtype}", "activations",
+                      buf.nbytes * itemsize(dtype) // itemsize(current))
+        g.add("copy", COMPUTE, f"{module} output cast to {dtype}", hbm_bytes=buf.nbytes + new.nbytes)
+        g.free(COMPUTE, buf)
+        self.outputs[module] = new
+        if dtype == s.param_dtype:
+            self.output_dtypes.pop(module, None)
+        else:
+            self.output_dtypes[module] = dtype
+
     # ---- unshard / reshard (all-gather copy-in, collective, copy-out) -------------------------
     def unshard(self, u: Unit) -> None:
+        """PG:unshard: foreach_all_gather on the copy-in and all-gather streams.
+
+        From the sharded state the input is this rank's padded fp32 shard, over the shard group; after
+        an hpZ reshard (`is_sharded_post_forward`) it is the 1/k copy kept after forward, over the
+        post-forward group of k (`_all_gather_process_group`), and the streams first wait the
+        `_reshard_after_forward_event`. Either way the output is the padded unsharded size.
+        """
         if not u.params or self.unsharded[u.name] is not None or u.name in self.pending_all_gather:
             return
         s, g = self.s, self.g
         shard = self.shard[u.name]
+        post_forward = self.sharded_post_forward.get(u.name)
+        reshard_event = self.reshard_after_forward_events.pop(u.name, None)
         if s.shard_size == 1:
             # nothing to gather: wait_for_unshard copies each shard straight into its unsharded storage
             self.pending_all_gather[u.name] = None
             return
-        # with a param_dtype, the fp32 shards are first cast into one flat low-precision temporary
+        world = self.reshard_after_forward[u.name] if post_forward else s.shard_size
+        numel = shard * s.shard_size // world  # this rank's all-gather input
+        source_bytes = s.param_bytes if post_forward else s.storage_bytes
+        # with a param_dtype the inputs are first copied (cast) into one flat low-precision temporary
         cast = s.param_dtype != s.storage_dtype
-        temp = g.alloc(COPY_IN, f"{u.name} all-gather copy-in cast", "temporaries", shard * s.param_bytes) if cast else None
+        temp = g.alloc(COPY_IN, f"{u.name} all-gather copy-in cast", "temporaries", numel * s.param_bytes) if cast else None
         out = g.alloc(COPY_IN, f"{u.name} all-gather output", "all_gather_buffers", shard * s.shard_size * s.param_bytes)
-        copy_in = g.add("copy", COPY_IN, f"{u.name} all-gather copy-in", deps=(self.all_gather_streams_wait,),
-                        hbm_bytes=shard * (s.storage_bytes + s.param_bytes))
+        copy_in = g.add("copy", COPY_IN, f"{u.name} all-gather copy-in", deps=(self.all_gather_streams_wait, reshard_event),
+                        hbm_bytes=numel * (source_bytes + s.param_bytes))
         self.all_gather_streams_wait = None
-        ag = g.add("all_gather", AG, f"{u.name} all-gather", deps=(copy_in,), group=SHARD_GROUP, comm_bytes=out.nbytes)
+        if post_forward:
+            ag = g.add("all_gather", AG, f"{u.name} all-gather in groups of {world}", deps=(copy_in,),
+                       group=post_forward_group(world), comm_bytes=out.nbytes)
+        else:
+            ag = g.add("all_gather", AG, f"{u.name} all-gather", deps=(copy_in,), group=SHARD_GROUP, comm_bytes=out.nbytes)
         if temp is not None:
             g.free(COPY_IN, temp)  # dropped when the all-gather call returns
         self.pending_all_gather[u.name] = (out, ag)
 
     def wait_for_unshard(self, u: Unit, *, in_forward: bool) -> None:
+        """PG:wait_for_unshard: copy-out into the padded per-parameter storages, `_to_unsharded` (which
+        drops an hpZ unit's post-forward copies), then the all-gather output is freed, or in forward
+        kept until the next unit's copy-out."""
         if u.name not in self.pending_all_gather:
             return
         s, g = self.s, self.g
@@ -286,6 +425,8 @@ class FSDP2Runtime:
         # each parameter gets its own storage of its padded size, viewed at its true shape
         self.unsharded[u.name] = g.alloc(COMPUTE, f"{u.name} unsharded params", "unsharded_params", out.nbytes, deps=(ag,))
         copy_out = g.add("copy", COMPUTE, f"{u.name} all-gather copy-out", deps=(ag,), hbm_bytes=2 * out.nbytes)
+        for buf in self.sharded_post_forward.pop(u.name, ()):
+            g.free(COMPUTE, buf)
         if not in_forward:
             g.free(COMPUTE, out)
             return
@@ -303,6 +444,28 @@ class FSDP2Runtime:
             self.g.free(COMPUTE, buf)
             self.unsharded[u.name] = None
 
+    def reshard_to_post_forward(self, u: Unit, k: int) -> None:
+        """PG:_to_sharded_post_forward (hpZ): per parameter, FSDPParam.to_sharded_post_forward clones this
+        rank's 1/k slice of the padded unsharded storage on the compute stream, then frees that storage;
+        `_reshard_after_forward_event` is recorded for the next all-gather's streams.
+
+        The unit's unsharded parameters are one buffer here, so the clones are two: the first
+        parameter's, made while every storage still exists (the most memory PyTorch's sequence ever
+        holds), and the rest after the storages are freed (the same final level)."""
+        buf = self.unsharded[u.name]
+        if buf is None:
+            return
+        s, g = self.s, self.g
+        sizes = [p.padded_shard_numel(s.shard_size) * s.shard_size // k * s.param_bytes for p in u.params]
+        kept = [g.alloc(COMPUTE, f"{u.name} params resharded to {k} after forward", "unsharded_params", sizes[0])]
+        clone = g.add("copy", COMPUTE, f"{u.name} reshard to groups of {k} (clone 1/{k})", hbm_bytes=2 * sum(sizes))
+        self.reshard(u)
+        if len(sizes) > 1:
+            kept.append(g.alloc(COMPUTE, f"{u.name} params resharded to {k} after forward (rest)", "unsharded_params",
+                                sum(sizes[1:])))
+        self.sharded_post_forward[u.name] = tuple(kept)
+        self.reshard_after_forward_events[u.name] = clone
+
     # ---- gradient reduction (foreach_reduce) -------------------------------------------------
     def foreach_reduce(self, u: Unit) -> None:
         """COL:foreach_reduce: copy-in on the compute stream, then reduce-scatter, all-reduce, post-reduce.
@@ -314,6 +477,9 @@ class FSDP2Runtime:
         is dropped when foreach_reduce returns, unless HSDP's `_all_reduce_state` keeps it (it
         stops the next reduce-scatter from reusing its block while the all-reduce runs) until
         `finalize_backward`. The last op on the post-reduce stream is the group's post-reduce event.
+        HSDP with `set_requires_all_reduce(False)` returns after the reduce-scatter: its output becomes
+        (or is added, on the reduce-scatter stream, into) `_partial_reduce_output`, which the next
+        all-reducing backward adds into its output before the all-reduce, then drops.
         """
         s, g = self.s, self.g
         shard = self.trainable_shard[u.name]
@@ -327,9 +493,13 @@ class FSDP2Runtime:
             g.free(COMPUTE, buf)
         existing = self.sharded_grads.get(u.name)  # from an earlier micro-batch
         cast = s.reduce_dtype != s.storage_dtype  # _to_dtype_if_needed: a new tensor
-        rs_out_is_grad = not cast and existing is None
+        partial_only = s.replicate_size > 1 and not self.all_reduce_grads
+        partial = self.partial_reduce_outputs.pop(u.name, None)
+        rs_out_is_grad = not cast and existing is None and not partial_only
         # the reduce-scatter stream waits the compute stream (the copy-in)
-        rs_out = g.alloc(RS, f"{u.name} sharded grads" if rs_out_is_grad else f"{u.name} reduce-scatter output",
+        rs_out = g.alloc(RS, f"{u.name} sharded grads" if rs_out_is_grad else
+                         f"{u.name} partial reduce output" if partial_only and partial is None else
+                         f"{u.name} reduce-scatter output",
                          "sharded_grads" if rs_out_is_grad else "reduce_scatter_buffers", shard * s.reduce_bytes, deps=(copy_in,))
         pre_divide, post_divide = gradient_divide_factors(s.reduce_dtype, s.shard_size * s.replicate_size)
         if pre_divide:
@@ -340,10 +510,24 @@ class FSDP2Runtime:
         else:  # reduce_output.copy_(reduce_scatter_input)
             reduce_scatter = g.add("copy", RS, f"{u.name} copy grads to reduce output (shard group of one)",
                                    deps=(copy_in,), hbm_bytes=rs_in.nbytes + rs_out.nbytes)
+        self.reduce_scatter_state = (rs_in, reduce_scatter)
         post_reduce_stream, event = RS, reduce_scatter
+        if partial_only:  # accumulations run on the reduce-scatter stream
+            if partial is None:
+                self.partial_reduce_outputs[u.name] = rs_out
+            else:
+                event = g.add("copy", RS, f"{u.name} accumulate partial reduce output", deps=(event,),
+                              hbm_bytes=2 * partial.nbytes + rs_out.nbytes)
+                g.free(RS, rs_out)
+                self.partial_reduce_outputs[u.name] = partial
+            self.last_post_reduce_events[RS] = event
+            return
+        if partial is not None:  # reduce_output += partial_reduce_output
+            event = g.add("copy", RS, f"{u.name} add partial reduce output", deps=(event,),
+                          hbm_bytes=2 * rs_out.nbytes + partial.nbytes)
         if s.replicate_size > 1:
             post_reduce_stream = AR
-            event = g.add("all_reduce", AR, f"{u.name} all-reduce (replicas)", deps=(reduce_scatter,),
+            event = g.add("all_reduce", AR, f"{u.name} all-reduce (replicas)", deps=(event,),
                           group=REPLICATE_GROUP, comm_bytes=rs_out.nbytes)
         if post_divide:
             event = g.add("copy", post_reduce_stream, f"{u.name} post-divide grads by {post_divide:g}", deps=(event,),
@@ -369,8 +553,9 @@ class FSDP2Runtime:
                 self.all_reduce_states[u.name] = rs_out
             else:
                 g.free(RS, rs_out)
+        if partial is not None:  # PG:post_backward: self._partial_reduce_output = None
+            g.free(RS, partial)
         self.last_post_reduce_events[post_reduce_stream] = event
-        self.reduce_scatter_state = (rs_in, reduce_scatter)
 
     # ---- autograd: what each module's forward and backward allocate -----------------------------
     def _scaled(self, nbytes: int) -> int:

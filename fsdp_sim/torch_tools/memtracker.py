@@ -8,7 +8,8 @@ backward, optimizer step, ``zero_grad``) under ``FSDPMemTracker`` and reports th
 tracked bytes from the second iteration on, its per-category breakdown at the peak moment, and
 where it happened.  No real memory is allocated and no collective runs; FSDP2's own Python code
 (padding, mixed-precision casts, all-gather/reduce-scatter buffers, resharding, prefetch) runs
-unmodified.  See ``/work/shared/reference/fmt-on-cpu.md`` and ``docs/referee-measurements.md``.
+unmodified.  See ``docs/referee-measurements.md``; the recipe is torchtitan's
+``scripts/estimate/estimation.py`` around ``torch/distributed/_tools/fsdp2_mem_tracker.py``.
 
 What this harness does beyond the stock recipe:
 
@@ -30,7 +31,7 @@ What this harness does beyond the stock recipe:
   During AC recomputation ModTracker still names the module whose *backward* was running.
 
 The module is importable without torch; calling :func:`run_fsdp_mem_tracker` without torch raises
-an ``ImportError`` that says to ``pip install fsdp-sim[torch]``.
+an ``ImportError`` that says to ``pip install -e '.[torch]'``.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def _import_torch():
     except ImportError as exc:
         raise ImportError(
             "fsdp_sim.torch_tools.memtracker needs PyTorch (with torch.distributed); "
-            "install it with `pip install fsdp-sim[torch]`"
+            "install it with `pip install -e '.[torch]' from a clone, or pip install torch==2.13.0`"
         ) from exc
 
 
@@ -259,6 +260,87 @@ def _patch_cuda_rounding():
     return restore
 
 
+def _patch_post_forward_mesh():
+    """Run FSDP2's ``_get_post_forward_mesh_info`` with the fake mode switched off.
+
+    ``reshard_after_forward=k`` (hpZ) builds a DeviceMesh from ``mesh.mesh.view(-1, k)``: under an outer
+    ``FakeTensorMode`` the view of the real mesh tensor fails ("Please convert all Tensors to FakeTensors
+    first ... aten.as_strided"). Meshes are built outside the fake mode anyway (torchtitan's rule)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
+
+    orig = _fsdp_init._get_post_forward_mesh_info
+
+    @wraps(orig)
+    def real_mode(*args, **kwargs):
+        with unset_fake_temporarily():
+            return orig(*args, **kwargs)
+
+    _fsdp_init._get_post_forward_mesh_info = real_mode
+    _fully_shard._get_post_forward_mesh_info = real_mode
+
+    def restore():
+        _fsdp_init._get_post_forward_mesh_info = orig
+        _fully_shard._get_post_forward_mesh_info = orig
+
+    return restore
+
+
+def _apply_fully_shard(model, mesh, *, wrap: str, reshard_after_forward, root_reshard_after_forward,
+                       mp, head_mp) -> list:
+    """``fully_shard`` bottom-up as the wrap names it; returns the FSDP modules with parameters, in
+    pre-forward order (the root first when it has any).
+
+    * ``per_block``: each TransformerBlock, then the root (which keeps the embedding, norm and head);
+    * ``torchtitan``: ``apply_fsdp_to_decoder`` (torchtitan/distributed/fsdp.py): the embedding, the norm
+      and head grouped with ``reshard_after_forward=False``, each block, then the root (no parameters);
+    * ``whole_model``: the root only.
+
+    ``head_mp`` is the policy of the unit that holds ``output`` (the root under ``per_block``).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    def root_kwargs():
+        if root_reshard_after_forward is None:  # FSDP's default: the root keeps its parameters
+            return {}
+        return {"reshard_after_forward": root_reshard_after_forward}
+
+    units = []
+    if wrap == "torchtitan":
+        if model.cfg.tie_embeddings or model.pos_embeddings is not None:
+            raise ValueError("wrap='torchtitan' in the referee: untied weights and no position embedding only")
+        fully_shard(model.tok_embeddings, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+        units.append(model.tok_embeddings)
+    if wrap in ("per_block", "torchtitan"):
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+            units.append(block)
+    if wrap == "torchtitan":
+        fully_shard([model.norm, model.output], mesh=mesh, reshard_after_forward=False, mp_policy=head_mp)
+        units.append(model.norm)  # the group's FSDP state, reached through either module
+        fully_shard(model, mesh=mesh, mp_policy=mp, **root_kwargs())
+        return units
+    fully_shard(model, mesh=mesh, mp_policy=head_mp, **root_kwargs())
+    return [model, *units]
+
+
+def _set_prefetch(units: list, root, *, forward_prefetch: int, backward_prefetch: int) -> None:
+    """Explicit prefetch lists on every FSDP module with parameters: the next ``forward_prefetch`` in
+    pre-forward order, the ``backward_prefetch`` before it in post-forward order (the root's forward
+    ends last). ``backward_prefetch`` 1 keeps FSDP2's default; 0 is ``m.set_modules_to_backward_prefetch([m])``."""
+    for i, m in enumerate(units):
+        if forward_prefetch:
+            targets = units[i + 1:i + 1 + forward_prefetch]
+            if targets:
+                m.set_modules_to_forward_prefetch(targets)
+    post_forward = units[1:] + units[:1] if units and units[0] is root else units
+    for i, m in enumerate(post_forward):
+        if backward_prefetch == 0:
+            m.set_modules_to_backward_prefetch([m])
+        elif backward_prefetch > 1 and i > 0:
+            m.set_modules_to_backward_prefetch(post_forward[max(0, i - backward_prefetch):i][::-1])
+
+
 def _hook_recompute(model, fmt) -> None:
     """Mark the tracker while a checkpointed block's forward re-runs inside backward.
 
@@ -303,13 +385,22 @@ def run_fsdp_mem_tracker(
     batch: int,
     seq: int,
     wrap: str = "per_block",
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
+    root_reshard_after_forward: bool | int | None = None,
+    shard_size: int | None = None,
     param_dtype: str = "bf16",
-    reduce_dtype: str = "fp32",
+    reduce_dtype: str | None = "fp32",
+    output_dtype: str | None = None,
+    head_output_dtype: str | None = None,
+    cast_forward_inputs: bool = True,
+    forward_prefetch: int = 0,
+    backward_prefetch: int = 1,
     optimizer: str = "adamw",
     activation_checkpointing: str = "none",
     grad_accumulation: int = 1,
     requires_gradient_sync: bool = True,
+    requires_all_reduce: bool = True,
+    reshard_after_backward: bool = True,
     iterations: int = 2,
     skip_dtensor_propagation: bool = True,
     emulate_cuda_rounding: bool = False,
@@ -321,18 +412,31 @@ def run_fsdp_mem_tracker(
     Args:
         cfg: the model.
         world_size, batch, seq: data-parallel size and the per-rank batch / sequence length.
-        wrap: ``'per_block'`` (``fully_shard`` each TransformerBlock, then the root) or
-            ``'whole_model'`` (``fully_shard`` the root only).
-        reshard_after_forward: for the non-root units; the root always uses FSDP's default
-            (``None`` -> ``False`` for the root).  Ignored for ``'whole_model'``.
-        param_dtype, reduce_dtype: ``'fp32'`` | ``'bf16'`` for ``MixedPrecisionPolicy``.
+        wrap: ``'per_block'`` (``fully_shard`` each TransformerBlock, then the root),
+            ``'torchtitan'`` (the embedding, each block, [norm, output] not resharded after forward,
+            the root) or ``'whole_model'`` (``fully_shard`` the root only).
+        reshard_after_forward: for the non-root units: True, False or an int k (hpZ: reshard to
+            groups of k after forward).  Ignored for ``'whole_model'``.
+        root_reshard_after_forward: the root's; None (FSDP's default) keeps it unsharded after
+            forward, an explicit value is honoured.
+        shard_size: ranks per shard group; less than ``world_size`` is HSDP on a
+            (world_size / shard_size, shard_size) mesh.
+        param_dtype, reduce_dtype: ``'fp32'`` | ``'bf16'`` for ``MixedPrecisionPolicy`` (reduce_dtype
+            None: the policy's default, the gradient's dtype).
+        output_dtype, head_output_dtype, cast_forward_inputs: ``MixedPrecisionPolicy``'s, for every
+            unit / only for the unit that holds the output head.
+        forward_prefetch, backward_prefetch: explicit prefetch depths (``set_modules_to_*_prefetch``
+            with the next / previous k units); 0 and 1 are FSDP2's defaults, backward 0 is
+            ``m.set_modules_to_backward_prefetch([m])`` (no prefetch).
         optimizer: ``'adamw'`` (AdamW, foreach=True, as on GPU) or ``'sgd'`` (momentum 0.9,
             foreach=True).
         activation_checkpointing: ``'none'`` or ``'full'`` (non-reentrant
             ``torch.utils.checkpoint`` around each TransformerBlock via ``checkpoint_wrapper``,
             applied before ``fully_shard``).
         grad_accumulation, requires_gradient_sync: micro-batches per optimizer step; without sync all
-            but the last run under ``set_requires_gradient_sync(False)``.
+            but the last run under ``set_requires_gradient_sync(False)``; likewise
+            ``requires_all_reduce`` (``set_requires_all_reduce``) and ``reshard_after_backward``
+            (``set_reshard_after_backward``).
         iterations: training steps to run (>= 2); the peak is measured from the second one on.
         skip_dtensor_propagation: skip ops DTensor's sharding propagation runs on global-shape
             fake tensors (they are not real memory).
@@ -365,10 +469,13 @@ def run_fsdp_mem_tracker(
 
     from .reference_model import ReferenceTransformer, loss_fn
 
-    if wrap not in ("per_block", "whole_model"):
-        raise ValueError(f"wrap must be 'per_block' or 'whole_model', got {wrap!r}")
-    if param_dtype not in _DTYPES or reduce_dtype not in _DTYPES:
-        raise ValueError("param_dtype / reduce_dtype must be 'fp32' or 'bf16'")
+    if wrap not in ("per_block", "whole_model", "torchtitan"):
+        raise ValueError(f"wrap must be 'per_block', 'torchtitan' or 'whole_model', got {wrap!r}")
+    if param_dtype not in _DTYPES or any(d not in (None, *_DTYPES) for d in (reduce_dtype, output_dtype, head_output_dtype)):
+        raise ValueError("param_dtype / reduce_dtype / output_dtype must be 'fp32' or 'bf16'")
+    shard_size = shard_size or world_size
+    if world_size % shard_size:
+        raise ValueError(f"shard_size {shard_size} does not divide world_size {world_size}")
     if optimizer not in ("adamw", "sgd"):
         raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
     if activation_checkpointing not in ("none", "full"):
@@ -394,8 +501,13 @@ def run_fsdp_mem_tracker(
             restores.append(_patch_sharding_propagation(prop_depth))
         if emulate_cuda_rounding:
             restores.append(_patch_cuda_rounding())
+        restores.append(_patch_post_forward_mesh())
         # "build_mesh has to happen outside of the FakeTensorMode" (torchtitan)
-        mesh = init_device_mesh("cpu", (world_size,))
+        if shard_size == world_size:
+            mesh = init_device_mesh("cpu", (world_size,))
+        else:  # HSDP: (Replicate(), Shard(0)) on a 2-D mesh
+            mesh = init_device_mesh("cpu", (world_size // shard_size, shard_size),
+                                    mesh_dim_names=("replicate", "shard"))
         tracker_cls = _make_tracker_class()
 
         with FakeTensorMode() if fake_tensors else contextlib.nullcontext():
@@ -414,15 +526,20 @@ def run_fsdp_mem_tracker(
                         checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                         preserve_rng_state=False,
                     )
-            mp = MixedPrecisionPolicy(
-                param_dtype=dtype_of[param_dtype], reduce_dtype=dtype_of[reduce_dtype]
+            def policy(out_dtype):
+                return MixedPrecisionPolicy(
+                    param_dtype=dtype_of[param_dtype],
+                    reduce_dtype=dtype_of.get(reduce_dtype),
+                    output_dtype=dtype_of.get(out_dtype),
+                    cast_forward_inputs=cast_forward_inputs,
+                )
+
+            units = _apply_fully_shard(
+                model, mesh, wrap=wrap, reshard_after_forward=reshard_after_forward,
+                root_reshard_after_forward=root_reshard_after_forward,
+                mp=policy(output_dtype), head_mp=policy(head_output_dtype or output_dtype),
             )
-            if wrap == "per_block":
-                for block in model.layers:
-                    fully_shard(
-                        block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp
-                    )
-            fully_shard(model, mesh=mesh, mp_policy=mp)  # root: FSDP's default for the root
+            _set_prefetch(units, model, forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
             model.to_empty(device="cpu")
 
             params = list(model.parameters())
@@ -450,7 +567,11 @@ def run_fsdp_mem_tracker(
                     gc.disable()
                     for micro_batch in range(grad_accumulation):
                         last = micro_batch == grad_accumulation - 1
-                        model.set_requires_gradient_sync(requires_gradient_sync or last)
+                        sync = requires_gradient_sync or last
+                        model.set_requires_gradient_sync(sync)  # the all-reduce follows it
+                        if sync and not (requires_all_reduce or last):
+                            model.set_requires_all_reduce(False)
+                        model.set_reshard_after_backward(reshard_after_backward or last)
                         fmt.phase = "forward"
                         logits = model(tokens)
                         fmt.phase = "loss"
@@ -507,9 +628,18 @@ def run_fsdp_mem_tracker(
                 "batch": batch,
                 "seq": seq,
                 "wrap": wrap,
-                "reshard_after_forward": reshard_after_forward if wrap == "per_block" else None,
+                "reshard_after_forward": reshard_after_forward if wrap != "whole_model" else None,
+                "root_reshard_after_forward": root_reshard_after_forward,
+                "shard_size": shard_size,
                 "param_dtype": param_dtype,
                 "reduce_dtype": reduce_dtype,
+                "output_dtype": output_dtype,
+                "head_output_dtype": head_output_dtype,
+                "cast_forward_inputs": cast_forward_inputs,
+                "forward_prefetch": forward_prefetch,
+                "backward_prefetch": backward_prefetch,
+                "requires_all_reduce": requires_all_reduce,
+                "reshard_after_backward": reshard_after_backward,
                 "optimizer": optimizer,
                 "activation_checkpointing": activation_checkpointing,
                 "iterations": iterations,

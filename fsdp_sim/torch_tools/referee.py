@@ -43,6 +43,28 @@ CASES = [
                                         "max_seq": 128, "mlp": "gelu", "ffn_hidden": 1024}, {}),
 ]
 
+# The FSDP2 setters (issue #7 section 2), each against the tracker; gated at 2 % on the peak. SMALL is a
+# step whose parameters, not the logits, set the peak, so the knobs that move parameter memory show there.
+SMALL = {"batch": 1, "seq": 32}
+SETTER_CASES = [
+    ("hpz-2", {}, {"reshard_after_forward": 2}),
+    ("hpz-2-small-batch", {"vocab": 512}, SMALL | {"reshard_after_forward": 2}),
+    ("hsdp-2x4", {}, {"world_size": 8, "shard_size": 4}),
+    ("hsdp-2x4-hpz-2-small-batch", {"vocab": 512}, SMALL | {"world_size": 8, "shard_size": 4, "reshard_after_forward": 2}),
+    ("prefetch-forward-2-backward-2-small-batch", {"vocab": 512}, SMALL | {"forward_prefetch": 2, "backward_prefetch": 2}),
+    ("prefetch-backward-3-small-batch", {"vocab": 512}, SMALL | {"backward_prefetch": 3}),
+    ("root-reshard-after-forward-true", {}, {"root_reshard_after_forward": True}),
+    ("root-reshard-after-forward-true-small-batch", {"vocab": 512}, SMALL | {"root_reshard_after_forward": True}),
+    ("reduce-dtype-unset", {}, {"reduce_dtype": None}),
+    ("torchtitan-wrap-fp32-head", {}, {"wrap": "torchtitan", "head_output_dtype": "fp32"}),
+    ("torchtitan-wrap-small-batch", {"vocab": 512}, SMALL | {"wrap": "torchtitan"}),
+    ("output-dtype-fp32-every-unit-small-batch", {"vocab": 512}, SMALL | {"output_dtype": "fp32"}),
+    ("hsdp-2x4-accumulation-3-no-all-reduce", {"vocab": 512},
+     SMALL | {"world_size": 8, "shard_size": 4, "grad_accumulation": 3, "requires_all_reduce": False}),
+    ("accumulation-2-no-reshard-after-backward", {"vocab": 512},
+     SMALL | {"grad_accumulation": 2, "reshard_after_backward": False}),
+]
+
 
 def case_settings(overrides: dict) -> dict:
     """The run settings of a referee case: W=4, batch 2 x 128 tokens, per-block, bf16/fp32, AdamW."""
@@ -56,22 +78,39 @@ _DIM_FIELDS = ("hidden", "layers", "heads", "kv_heads", "ffn_hidden", "vocab", "
 
 
 def reference_scenario(cfg, *, world_size: int, batch: int, seq: int, wrap: str = "per_block",
-                       reshard_after_forward: bool = True, param_dtype: str = "bf16", reduce_dtype: str = "fp32",
+                       reshard_after_forward: bool | int = True, root_reshard_after_forward: bool | int | None = None,
+                       shard_size: int | None = None, param_dtype: str = "bf16", reduce_dtype: str | None = "fp32",
+                       output_dtype: str | None = None, head_output_dtype: str | None = None,
+                       cast_forward_inputs: bool = True, forward_prefetch: int = 0, backward_prefetch: int = 1,
                        optimizer: str = "adamw", activation_checkpointing: str = "none", grad_accumulation: int = 1,
-                       requires_gradient_sync: bool = True) -> dict:
+                       requires_gradient_sync: bool = True, requires_all_reduce: bool = True,
+                       reshard_after_backward: bool = True) -> dict:
     """The scenario (as data) that describes the same job as `run_fsdp_mem_tracker`'s arguments."""
     # nn.RMSNorm runs its composite (fp32-upcasting) implementation on the CPU the referee runs on
     dims = {k: v for k, v in asdict(cfg).items() if k in _DIM_FIELDS} | {"norm_impl": "composite"}
     if not dims.get("learned_pos"):
         dims.pop("max_seq", None)
+    mixed_precision = {"param_dtype": param_dtype, "cast_forward_inputs": cast_forward_inputs}
+    if reduce_dtype is not None:  # None: MixedPrecisionPolicy's default, the gradient's dtype
+        mixed_precision["reduce_dtype"] = reduce_dtype
+    if head_output_dtype is not None:  # the unit holding the output head (the root under per_block)
+        mixed_precision["output_dtype"] = {"output": head_output_dtype}
+    elif output_dtype is not None:
+        mixed_precision["output_dtype"] = output_dtype
+    fsdp = {"wrap": wrap, "reshard_after_forward": reshard_after_forward,
+            "forward_prefetch": forward_prefetch, "backward_prefetch": backward_prefetch or False,
+            "requires_gradient_sync": requires_gradient_sync, "requires_all_reduce": requires_all_reduce,
+            "reshard_after_backward": reshard_after_backward, "mixed_precision": mixed_precision}
+    if root_reshard_after_forward is not None:
+        fsdp["root_reshard_after_forward"] = root_reshard_after_forward
+    if shard_size is not None:
+        fsdp["shard_size"] = shard_size
     return {
         "model": dims,
         "training": {"micro_batch": batch, "seq_len": seq, "optimizer": optimizer,
                      "activation_checkpointing": activation_checkpointing, "grad_accumulation": grad_accumulation},
         "hardware": {"profile": "h100-sxm", "nodes": 1, "gpus_per_node": world_size},
-        "fsdp": {"wrap": wrap, "reshard_after_forward": reshard_after_forward,
-                 "requires_gradient_sync": requires_gradient_sync,
-                 "mixed_precision": {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}},
+        "fsdp": fsdp,
     }
 
 

@@ -32,7 +32,7 @@ try:
     from torch import nn
 except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise ImportError(
-        "fsdp_sim.torch_tools needs PyTorch; install it with `pip install fsdp-sim[torch]`"
+        "fsdp_sim.torch_tools needs PyTorch; install it with `pip install -e '.[torch]' from a clone, or pip install torch==2.13.0`"
     ) from exc
 
 __all__ = ["ReferenceConfig", "ReferenceTransformer", "TransformerBlock", "example_1b", "loss_fn"]

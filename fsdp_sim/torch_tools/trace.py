@@ -66,7 +66,7 @@ def _import_torch():
         from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
     except ImportError as exc:
         raise ImportError("fsdp_sim.torch_tools.trace needs PyTorch; install it with "
-                          "`pip install 'fsdp-sim[torch]'`") from exc
+                          "`pip install -e '.[torch]' from a clone, or pip install torch==2.13.0`") from exc
     return torch
 
 
@@ -342,7 +342,7 @@ def trace_factory(spec: str, *, batch: int | None = None, seq: int | None = None
     try:
         torch = _import_torch()
     except ImportError:
-        raise ScenarioError("trace: needs PyTorch; install it with pip install 'fsdp-sim[torch]'") from None
+        raise ScenarioError("trace: needs PyTorch; install it with pip install -e '.[torch]' from a clone, or pip install torch==2.13.0") from None
     from torch import nn
 
     factory = _load_factory(spec)

@@ -23,15 +23,16 @@ activations only the vision and CLIP towers' `hidden_act` is read (CLIP's `quick
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
 from fsdp_sim.dtypes import itemsize
 from fsdp_sim.datafile import read_data
-from fsdp_sim.errors import ScenarioError
+from fsdp_sim.errors import ScenarioError, show
 from fsdp_sim.workload.model import Param, Workload
 from fsdp_sim.workload.moe import MoESpec, apply_moe
-from fsdp_sim.workload.transformer import TransformerDims, build_transformer
+from fsdp_sim.workload.transformer import MAX_VOCAB, TransformerDims, build_transformer
 from fsdp_sim.workload.vision import VisionDims, build_clip, build_llava, build_vit
 
 _MISSING = object()
@@ -45,6 +46,7 @@ DECODERS = {
     "qwen2_moe": ("swiglu", "rmsnorm", False),
 }
 SUPPORTED = sorted([*DECODERS, "vit", "clip", "llava"])
+MAX_COUNT = 1 << 40  # any count or size a config sets; the dims and expert checks state tighter limits
 
 
 class _Config:
@@ -66,20 +68,24 @@ class _Config:
             raise ScenarioError(f"model.hf_config: {self.where + names[0]!r}{alias} missing in {self.source}{needed}")
         return None, default
 
-    def int(self, *names: str, default=_MISSING, positive: bool = True):
+    def int(self, *names: str, default=_MISSING, positive: bool = True, maximum: int = MAX_COUNT):
         key, value = self._find(names, default)
         if key is None:
             return value
         if isinstance(value, float) and value.is_integer():
             value = int(value)
-        if not isinstance(value, int) or isinstance(value, bool) or (positive and value <= 0):
-            raise self.bad(key, f"a {'positive ' if positive else ''}integer", value)
+        if not isinstance(value, int) or isinstance(value, bool) or (positive and value <= 0) or value < 0:
+            raise self.bad(key, f"a {'positive' if positive else 'non-negative'} integer", value)
+        if value > maximum:
+            raise ScenarioError(f"model.hf_config: {self.where + key!r} in {self.source} is {value:,}, past the "
+                                f"limit of {maximum:,}")
         return value
 
     def float(self, *names: str, default=_MISSING) -> float:
         key, value = self._find(names, default)
-        if key is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-            raise self.bad(key, "a number", value)
+        if key is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                or not math.isfinite(value if isinstance(value, float) else 0.0) or abs(value) > 1e300):
+            raise self.bad(key, "a finite number", value)
         return float(value)
 
     def bool(self, *names: str, default=_MISSING) -> bool:
@@ -96,7 +102,7 @@ class _Config:
 
     def bad(self, key: str, expected: str, value) -> ScenarioError:
         return ScenarioError(f"model.hf_config: {self.where + key!r} in {self.source} must be {expected}, "
-                             f"got {value!r}")
+                             f"got {show(value)}")
 
     def reraise(self, exc: ScenarioError) -> ScenarioError:
         """A dims check failed: say which file (and sub-config) it came from."""
@@ -145,7 +151,10 @@ def build_from_hf_dict(data: dict, *, micro_batch: int, seq_len: int, act_dtype:
         wl = build_decoder(c, micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype, name=name)
     elif mt == "vit":
         v = vision_dims(c, "vit")
-        labels = c.int("num_labels", default=None) or (len(c.data["id2label"]) if c.data.get("id2label") else 1000)
+        id2label = c.data.get("id2label")
+        if id2label is not None and not isinstance(id2label, dict):
+            raise c.bad("id2label", "a mapping of class index to label", id2label)
+        labels = c.int("num_labels", default=None, maximum=MAX_VOCAB) or (len(id2label) if id2label else 1000)
         wl = build_vit(v, num_labels=labels, micro_batch=micro_batch, act_dtype=act_dtype, name=name)
     elif mt == "clip":
         text = c.sub("text_config", "clip_text_model")

@@ -20,7 +20,7 @@ import yaml
 
 from fsdp_sim.dtypes import DTYPE_BYTES
 from fsdp_sim.datafile import read_data, reject_unknown_keys
-from fsdp_sim.errors import ScenarioError
+from fsdp_sim.errors import ScenarioError, show
 from fsdp_sim.workload.model import KERNEL_KINDS, Kernel, Module, Param, Workload
 
 # key -> kind of value: "str", "int" (non-negative), "float" (finite, non-negative), "bool", "dtype",
@@ -36,6 +36,9 @@ _PARAM_KEYS = {"name": "str", "shape": "shape", "dtype": "dtype", "trainable": "
 _KERNEL_KEYS = {"name": "str", "kind": "kernel_kind", "shape": "shape", "bytes": "float", "bwd_bytes": "float",
                 "launches": "int", "bwd_launches": "int", "causal": "bool", "recompute": "bool",
                 "input_grad": "bool"}
+# limits that keep every sum exact and finite (the scenario's size check states the tighter ones)
+MAX_NAME, MAX_INT, MAX_DIM, MAX_FLOAT, MAX_TIME_S = 1000, 1 << 56, 1 << 48, 1e30, 1e6
+MAX_MODULES = 5000  # the scenario's MAX_MODULE_PASSES at one micro-batch
 # the fields without a default: Workload name, modules; Module name, kind; Param name, shape
 _REQUIRED = {cls: tuple(f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING)
              for cls in (Workload, Module, Param, Kernel)}
@@ -109,6 +112,8 @@ def _value(kind: str, value: Any, where: str) -> Any:
     if kind == "modules":
         if not isinstance(value, list) or not value:
             raise ScenarioError(f"{where}: expected a non-empty list of modules")
+        if len(value) > MAX_MODULES:  # before building any: a step of more would take minutes to simulate
+            raise ScenarioError(f"{where}: {len(value):,} modules, past the limit of {MAX_MODULES:,}")
         return tuple(Module(**_fields(Module, _MODULE_KEYS, m, f"{where}[{i}]")) for i, m in enumerate(value))
     if kind == "params":
         if not isinstance(value, list):
@@ -121,41 +126,53 @@ def _value(kind: str, value: Any, where: str) -> Any:
         for i, k in enumerate(kernels):
             wanted = {"gemm": 3, "attention": 4, "attention_eager": 4}.get(k.kind, 2)
             if len(k.shape) != wanted and (wanted != 2 or k.shape):
-                raise ScenarioError(f"{where}[{i}].shape: a {k.kind} kernel needs {wanted} dimensions, got {list(k.shape)}")
+                raise ScenarioError(f"{where}[{i}].shape: a {k.kind} kernel needs {wanted} dimensions, got {show(list(k.shape))}")
+            if wanted > 2 and not all(k.shape):
+                raise ScenarioError(f"{where}[{i}].shape: a {k.kind} kernel's dimensions must be positive, got {list(k.shape)}")
         return kernels
     if kind == "kernel_kind":
-        if value not in KERNEL_KINDS:
-            raise ScenarioError(f"{where}: unknown kernel kind {value!r}, expected one of {list(KERNEL_KINDS)}")
+        if not isinstance(value, str) or value not in KERNEL_KINDS:
+            raise ScenarioError(f"{where}: unknown kernel kind {show(value)}, expected one of {list(KERNEL_KINDS)}")
         return value
     if kind == "str":
-        if not isinstance(value, str) or not value:
-            raise ScenarioError(f"{where}: expected a non-empty string, got {value!r}")
+        if not isinstance(value, str) or not value or not value.isprintable() or len(value) > MAX_NAME:
+            raise ScenarioError(f"{where}: expected a non-empty printable string of at most {MAX_NAME} characters, "
+                                f"got {show(value)}")
         return value
+    if kind in ("dtype", "kernel_kind") and not isinstance(value, str):
+        raise ScenarioError(f"{where}: expected a string, got {show(value)}")
     if kind == "dtype":
         if value not in DTYPE_BYTES:
-            raise ScenarioError(f"{where}: unknown dtype {value!r}, expected one of {sorted(DTYPE_BYTES)}")
+            raise ScenarioError(f"{where}: unknown dtype {show(value)}, expected one of {sorted(DTYPE_BYTES)}")
         return value
     if kind == "bool":
         if not isinstance(value, bool):
-            raise ScenarioError(f"{where}: expected true or false, got {value!r}")
+            raise ScenarioError(f"{where}: expected true or false, got {show(value)}")
         return value
     if kind == "int":
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # 2.0 is 2: never a float in a byte count
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ScenarioError(f"{where}: expected a non-negative integer, got {value!r}")
+            raise ScenarioError(f"{where}: expected a non-negative integer, got {show(value)}")
+        if value > MAX_INT:
+            raise ScenarioError(f"{where}: {show(value)} is past the limit of {MAX_INT:,}")
         return value
     if kind in ("float", "time"):
         if value is None and kind == "time":
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ScenarioError(f"{where}: expected a finite non-negative number, got {value!r}")
+        limit = MAX_TIME_S if kind == "time" else MAX_FLOAT
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= limit:
+            raise ScenarioError(f"{where}: expected a finite non-negative number of at most {limit:g}, "
+                                f"got {show(value)}")
         return float(value)
     if kind == "shape":
-        if not isinstance(value, list) or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in value):
-            raise ScenarioError(f"{where}: expected a list of non-negative integers, got {value!r}")
+        if not isinstance(value, list) or len(value) > 16 or \
+                any(isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_DIM for n in value):
+            raise ScenarioError(f"{where}: expected a list of at most 16 integers in [0, {MAX_DIM:,}], got {show(value)}")
         return tuple(value)
     if kind == "names":
         if not isinstance(value, list) or any(not isinstance(n, str) for n in value):
-            raise ScenarioError(f"{where}: expected a list of parameter names, got {value!r}")
+            raise ScenarioError(f"{where}: expected a list of parameter names, got {show(value)}")
         return tuple(value)
     if kind == "mapping":
         if not isinstance(value, dict):
@@ -170,14 +187,14 @@ def _check_names(workload: Workload) -> None:
     params: set[str] = set()
     for i, m in enumerate(workload.modules):
         if m.name in modules:
-            raise ScenarioError(f"modules[{i}].name: {m.name!r} is used by an earlier module")
+            raise ScenarioError(f"modules[{i}].name: {show(m.name)} is used by an earlier module")
         modules.add(m.name)
         for name in m.tied_params:
             if name not in params:
-                raise ScenarioError(f"modules[{i}].tied_params: {name!r} is not a parameter of an earlier module")
+                raise ScenarioError(f"modules[{i}].tied_params: {show(name)} is not a parameter of an earlier module")
         for j, p in enumerate(m.params):
             if p.name in params:
-                raise ScenarioError(f"modules[{i}].params[{j}].name: {p.name!r} is used by an earlier parameter")
+                raise ScenarioError(f"modules[{i}].params[{j}].name: {show(p.name)} is used by an earlier parameter")
             params.add(p.name)
     if not any(m.in_model for m in workload.modules):
         raise ScenarioError("modules: no module has in_model: true (the FSDP root would own nothing)")

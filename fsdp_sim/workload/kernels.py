@@ -2,7 +2,8 @@
 
 Shapes and ideal bytes only (each input read once, each output written once); how fast each kind runs is
 the hardware model's business (`fsdp_sim/hardware/kernels.py`). Launch counts are those of the eager
-torchtitan / Hugging Face code paths, counted from the implementations (component-timing.md §4.2): a
+torchtitan / Hugging Face code paths, counted from the implementations (torchtitan's Llama model,
+transformers' `modeling_llama.py`): a
 fused `nn.RMSNorm` is one kernel and its backward two (input and weight gradients); Hugging Face's
 `LlamaRMSNorm` is eight (to-fp32, pow, mean, +eps, rsqrt, mul, to-dtype, *weight); rotary embedding about
 five per tensor; `silu(a) * b` two. Backward launches are the autograd nodes' kernels (about twice the

@@ -30,9 +30,13 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 from fsdp_sim.dtypes import itemsize
+from fsdp_sim.errors import ScenarioError, show
 from fsdp_sim.workload.kernels import attention_kernels, elementwise, gemm
 from fsdp_sim.workload.model import Kernel, Module, Param, Workload
-from fsdp_sim.workload.transformer import TransformerDims, _linear, block_activations, block_params
+from fsdp_sim.workload.transformer import MAX_WIDTH, TransformerDims, _linear, block_activations, block_params
+
+MAX_EXPERTS = 4096  # experts per sparse block (published models: 8 to 256)
+MAX_EXPERT_MLPS = 1 << 16  # sparse layers x experts, each expert three nn.Linear parameters
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,6 +48,15 @@ class MoESpec:
     expert_ffn: int
     shared_ffn: int = 0  # Qwen2-MoE shared expert width; 0 means none
     norm_topk: bool = True  # the top-k weights renormalised to sum to 1 (Mixtral; Qwen2-MoE's norm_topk_prob)
+
+    def __post_init__(self) -> None:
+        limits = {"experts": MAX_EXPERTS, "top_k": MAX_EXPERTS, "expert_ffn": MAX_WIDTH, "shared_ffn": MAX_WIDTH}
+        for key, limit in limits.items():
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "shared_ffn" else 1):
+                raise ScenarioError(f"model.hf_config: {key} must be a positive integer, got {show(value)}")
+            if value > limit:
+                raise ScenarioError(f"model.hf_config: {key} {value:,} is past the limit of {limit:,}")
 
     def expert_params(self, hidden: int) -> int:
         return 3 * hidden * self.expert_ffn
@@ -175,6 +188,9 @@ def apply_moe(wl: Workload, d: TransformerDims, spec: MoESpec, sparse: list[bool
     `model_flops` is what the kernels execute, as `build_transformer` counts it: each token's `top_k`
     experts only. `meta["active_params"]` leaves the inactive experts' weights out.
     """
+    if sum(sparse) * spec.experts > MAX_EXPERT_MLPS:
+        raise ScenarioError(f"model.hf_config: {sum(sparse):,} sparse layers x {spec.experts:,} experts is past the "
+                            f"limit of {MAX_EXPERT_MLPS:,} expert MLPs")
     p = itemsize(wl.activation_dtype)
     modules, i, inactive = [], 0, 0
     for m in wl.modules:

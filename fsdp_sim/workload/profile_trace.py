@@ -27,12 +27,42 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_sim.datafile import read_data
-from fsdp_sim.errors import ScenarioError
+from fsdp_sim.errors import ScenarioError, show
 from fsdp_sim.workload.model import Workload
 
 LABEL = re.compile(r"^fsdp_sim::(?P<name>.+)::(?P<phase>forward|backward)$")
 MODULE_EVENT = re.compile(r"^nn\.Module: (?P<cls>.+)_(?P<n>\d+)$")
 _US = 1e-6  # Chrome trace timestamps and durations are microseconds
+
+
+MAX_US = 1e12  # a duration past 11.6 days (in microseconds) is not one training step's
+MAX_TS_US = 1e18  # timestamps are microseconds since an epoch (Kineto's: about 5e12)
+
+
+def _check_event(path, i: int, e: dict) -> dict:
+    """One complete event, checked where later steps rely on it: `ts` and `dur` finite numbers (dur >= 0),
+    `pid` / `tid` / `args.correlation` scalars, `args` a mapping. A malformed one is refused, naming it."""
+    def bad(key: str, expected: str):
+        return ScenarioError(f"compute.trace: {path}: traceEvents[{i}].{key} must be {expected}, "
+                             f"got {show(e.get(key) if '.' not in key else args.get('correlation'))}")
+    for key, limit in (("ts", MAX_TS_US), ("dur", MAX_US)):
+        value = e[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= limit \
+                or (key == "dur" and value < 0):
+            raise bad(key, f"a {'non-negative ' if key == 'dur' else ''}number of microseconds of at most {limit:g}")
+    for key in ("pid", "tid"):
+        if isinstance(e.get(key), (list, dict, float)):
+            raise bad(key, "an integer or a string")
+    args = e.get("args")
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        raise bad("args", "a mapping")
+    if isinstance(args.get("correlation"), (list, dict, float, bool)):
+        raise bad("args.correlation", "an integer")
+    if not isinstance(e.get("name", ""), str) or not isinstance(e.get("cat", ""), (str, type(None))):
+        raise bad("name" if not isinstance(e.get("name", ""), str) else "cat", "a string")
+    return e
 
 
 def load_trace_events(path: str | Path) -> list[dict]:
@@ -41,8 +71,8 @@ def load_trace_events(path: str | Path) -> list[dict]:
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
         raise ScenarioError(f"compute.trace: {path} has no traceEvents list (not a Chrome trace)")
-    return [e for e in events if isinstance(e, dict) and e.get("ph") == "X"
-            and isinstance(e.get("ts"), (int, float)) and isinstance(e.get("dur"), (int, float))]
+    return [_check_event(path, i, e) for i, e in enumerate(events) if isinstance(e, dict) and e.get("ph") == "X"
+            and "ts" in e and "dur" in e]
 
 
 def apply_profile_trace(workload: Workload, trace_path: str | Path) -> Workload:
@@ -135,6 +165,10 @@ def _module_times(events: list[dict], workload: Workload) -> dict[tuple[str, str
     model = [m for m in workload.modules if m.in_model]
     classes = workload.meta.get("module_classes") or {}
     root_class = workload.meta.get("model_class")
+    if not isinstance(classes, dict) or not all(isinstance(c, str) for c in classes.values()):
+        classes = {}  # a hand-edited meta that does not say the classes: match the root's children instead
+    if not isinstance(root_class, str):
+        root_class = None
     cls = lambda i: MODULE_EVENT.match(mods[i]["name"])["cls"]  # noqa: E731
     roots = [i for i in parent if parent[i] is None and (root_class is None or cls(i) == root_class)]
     per: dict[tuple[str, str], list[float]] = {}

@@ -14,11 +14,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp_sim.dtypes import itemsize
-from fsdp_sim.errors import ScenarioError
+from fsdp_sim.errors import ScenarioError, show
 from fsdp_sim.workload.kernels import block_kernels, embedding_kernels, gemm, loss_kernels, norm
 from fsdp_sim.workload.model import Module, Param, Workload
 
 NORM_STAT_TENSORS = {"rmsnorm": 1, "layernorm": 2}  # fp32 per-row statistics saved: rstd (+ mean)
+# Stated limits, far past any published model, checked before anything is built (a typo such as
+# layers: 2147483648 would otherwise build for hours): layers, widths, heads, vocabulary, positions.
+MAX_LAYERS, MAX_WIDTH, MAX_HEADS, MAX_VOCAB, MAX_SEQ = 4096, 1 << 20, 1 << 16, 1 << 24, 1 << 24
+DIM_LIMITS = {"layers": MAX_LAYERS, "hidden": MAX_WIDTH, "ffn_hidden": MAX_WIDTH, "head_dim": MAX_WIDTH,
+              "heads": MAX_HEADS, "kv_heads": MAX_HEADS, "vocab": MAX_VOCAB, "max_seq": MAX_SEQ}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,9 +48,19 @@ class TransformerDims:
     head_dim: int | None = None  # per-head size; None means hidden // heads (Gemma sets its own)
 
     def __post_init__(self) -> None:
+        for key, limit in DIM_LIMITS.items():
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):  # a float would make float byte counts
+                raise ScenarioError(f"model.{key}: expected an integer, got {show(value)}")
+            if value > limit:
+                raise ScenarioError(f"model.{key}: {value:,} is past the limit of {limit:,}")
         for key in ("hidden", "layers", "heads", "vocab"):
             if getattr(self, key) <= 0:
                 raise ScenarioError(f"model.{key}: must be a positive integer, got {getattr(self, key)}")
+        if self.max_seq < 0:
+            raise ScenarioError(f"model.max_seq: must be zero or more, got {self.max_seq}")
         if self.head_dim is None:
             if self.hidden % self.heads:
                 raise ScenarioError(f"model.heads: {self.heads} does not divide model.hidden {self.hidden}")

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fsdp_sim.dtypes import itemsize
-from fsdp_sim.errors import ScenarioError
+from fsdp_sim.errors import ScenarioError, show
 from fsdp_sim.workload.kernels import block_kernels, elementwise, gemm, loss_kernels, norm, with_activation
 from fsdp_sim.workload.model import Kernel, Module, Param, Workload
 from fsdp_sim.workload.transformer import (NORM_STAT_TENSORS, TransformerDims, _linear, _norm, block_activations,
@@ -56,6 +56,11 @@ class VisionDims:
     act: str = "gelu"
 
     def __post_init__(self) -> None:
+        for key, limit in (("image_size", 1 << 16), ("patch_size", 1 << 16), ("channels", 1 << 10)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit:
+                raise ScenarioError(f"model.hf_config: {key} must be a positive integer of at most {limit:,}, "
+                                    f"got {show(value)}")
         if self.image_size % self.patch_size:
             raise ScenarioError(f"model.hf_config: patch_size {self.patch_size} does not divide "
                                 f"image_size {self.image_size}")
