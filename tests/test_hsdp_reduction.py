@@ -15,7 +15,8 @@ from conftest import scenario_dict
 from fsdp_sim.engine import play
 from fsdp_sim.hardware.costs import OpCosts
 from fsdp_sim.scenario import parse_scenario
-from fsdp_sim.schedule.fsdp2 import build_fsdp2_step, gradient_divide_factors
+from fsdp_sim.schedule.fsdp2 import build_fsdp2_step
+from fsdp_sim.schedule.fsdp2_reduce import gradient_divide_factors
 from fsdp_sim.simulate import simulate
 
 MODEL = {"hidden": 64, "layers": 3, "heads": 4, "vocab": 512}

@@ -14,22 +14,22 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fsdp_sim.dtypes import itemsize
+from fsdp_sim.schedule.autograd import COMPUTE, AutogradStep
+from fsdp_sim.schedule.fsdp2_reduce import SHARD_GROUP, GradientReduction
 from fsdp_sim.schedule.ops import Buffer, Op, OpGraph
-from fsdp_sim.schedule.optimizers import states_per_param, step_cost
+from fsdp_sim.schedule.optimizers import states_per_param
 from fsdp_sim.schedule.settings import FSDPSettings, post_forward_group
 from fsdp_sim.workload.model import Module, Workload
 from fsdp_sim.wrap import Unit
 
-COMPUTE, COPY_IN, AG, RS, AR = "compute", "all_gather_copy_in", "all_gather", "reduce_scatter", "all_reduce"
-SHARD_GROUP, REPLICATE_GROUP = "shard", "replicate"
+COPY_IN, AG = "all_gather_copy_in", "all_gather"
 
 
-class FSDP2Runtime:
+class FSDP2Runtime(AutogradStep, GradientReduction):
     """Walks one step (forward, backward, optimizer step) and emits what FSDP2 and autograd issue."""
 
     def __init__(self, workload: Workload, units: list[Unit], settings: FSDPSettings) -> None:
-        self.wl, self.units, self.s = workload, units, settings
-        self.g = OpGraph()
+        super().__init__(workload, units, settings)
         # the root's hooks run around the whole model, an inner unit's around its own modules
         self.root = units[0]
         model = [m.name for m in workload.modules if m.in_model]
@@ -55,15 +55,8 @@ class FSDP2Runtime:
         self.all_reduce_states: dict[str, Buffer] = {}  # HSDP: a group's _all_reduce_state, when it holds memory
         self.partial_reduce_outputs: dict[str, Buffer] = {}  # HSDP without all-reduce: PG._partial_reduce_output
         self.post_forward_order: list[Unit] = []
-        self.unsharded_grads: dict[str, Buffer] = {}  # this backward's, by parameter
         self.accumulated_grads: dict[str, Buffer] = {}  # kept across micro-batches without gradient sync
-        self.sharded_grads: dict[str, Buffer] = {}  # by unit
-        self.outputs: dict[str, Buffer] = {}
         self.output_dtypes: dict[str, str] = {}  # a module's output cast away from the compute dtype, by module
-        self.saved: dict[str, Buffer] = {}
-        self.grad_output: Buffer | None = None
-        self.activation_bytes = itemsize(workload.activation_dtype)
-        self.params_by_name = {p.name: p for p in workload.params}
         # per-rank shard sizes, computed once: every hook asks for them
         self.shard = {u.name: u.shard_numel(settings.shard_size) for u in units}
         self.trainable_shard = {u.name: u.shard_numel(settings.shard_size, trainable_only=True) for u in units}
@@ -465,182 +458,6 @@ class FSDP2Runtime:
                                 sum(sizes[1:])))
         self.sharded_post_forward[u.name] = tuple(kept)
         self.reshard_after_forward_events[u.name] = clone
-
-    # ---- gradient reduction (foreach_reduce) -------------------------------------------------
-    def foreach_reduce(self, u: Unit) -> None:
-        """COL:foreach_reduce: copy-in on the compute stream, then reduce-scatter, all-reduce, post-reduce.
-
-        On the reduce-scatter stream: the output, the pre-divide (fp16 only), the reduce-scatter (a
-        copy for a shard group of one), whose event the next post_backward waits. HSDP moves the
-        post-reduce stream to the all-reduce stream: the in-place all-reduce, then the post-divide
-        (fp16 only) and the cast to the sharded parameter's dtype run there. The reduce-dtype output
-        is dropped when foreach_reduce returns, unless HSDP's `_all_reduce_state` keeps it (it
-        stops the next reduce-scatter from reusing its block while the all-reduce runs) until
-        `finalize_backward`. The last op on the post-reduce stream is the group's post-reduce event.
-        HSDP with `set_requires_all_reduce(False)` returns after the reduce-scatter: its output becomes
-        (or is added, on the reduce-scatter stream, into) `_partial_reduce_output`, which the next
-        all-reducing backward adds into its output before the all-reduce, then drops.
-        """
-        s, g = self.s, self.g
-        shard = self.trainable_shard[u.name]
-        rs_in = g.alloc(COMPUTE, f"{u.name} reduce-scatter input", "reduce_scatter_buffers", shard * s.shard_size * s.reduce_bytes)
-        # a gradient accumulated over earlier micro-batches (in reduce_dtype) replaces this backward's
-        grads = [self.accumulated_grads.pop(p.name, None) or self.unsharded_grads.pop(p.name)
-                 for p in u.params if p.name in self.accumulated_grads or p.name in self.unsharded_grads]
-        copy_in = g.add("copy", COMPUTE, f"{u.name} reduce-scatter copy-in",
-                        hbm_bytes=sum(b.nbytes for b in grads) + rs_in.nbytes)
-        for buf in grads:
-            g.free(COMPUTE, buf)
-        existing = self.sharded_grads.get(u.name)  # from an earlier micro-batch
-        cast = s.reduce_dtype != s.storage_dtype  # _to_dtype_if_needed: a new tensor
-        partial_only = s.replicate_size > 1 and not self.all_reduce_grads
-        partial = self.partial_reduce_outputs.pop(u.name, None)
-        rs_out_is_grad = not cast and existing is None and not partial_only
-        # the reduce-scatter stream waits the compute stream (the copy-in)
-        rs_out = g.alloc(RS, f"{u.name} sharded grads" if rs_out_is_grad else
-                         f"{u.name} partial reduce output" if partial_only and partial is None else
-                         f"{u.name} reduce-scatter output",
-                         "sharded_grads" if rs_out_is_grad else "reduce_scatter_buffers", shard * s.reduce_bytes, deps=(copy_in,))
-        pre_divide, post_divide = gradient_divide_factors(s.reduce_dtype, s.shard_size * s.replicate_size)
-        if pre_divide:
-            g.add("copy", RS, f"{u.name} pre-divide grads by {pre_divide:g}", deps=(copy_in,), hbm_bytes=2 * rs_in.nbytes)
-        if s.shard_size > 1:
-            reduce_scatter = g.add("reduce_scatter", RS, f"{u.name} reduce-scatter", deps=(copy_in,), group=SHARD_GROUP,
-                                   comm_bytes=rs_in.nbytes)
-        else:  # reduce_output.copy_(reduce_scatter_input)
-            reduce_scatter = g.add("copy", RS, f"{u.name} copy grads to reduce output (shard group of one)",
-                                   deps=(copy_in,), hbm_bytes=rs_in.nbytes + rs_out.nbytes)
-        self.reduce_scatter_state = (rs_in, reduce_scatter)
-        post_reduce_stream, event = RS, reduce_scatter
-        if partial_only:  # accumulations run on the reduce-scatter stream
-            if partial is None:
-                self.partial_reduce_outputs[u.name] = rs_out
-            else:
-                event = g.add("copy", RS, f"{u.name} accumulate partial reduce output", deps=(event,),
-                              hbm_bytes=2 * partial.nbytes + rs_out.nbytes)
-                g.free(RS, rs_out)
-                self.partial_reduce_outputs[u.name] = partial
-            self.last_post_reduce_events[RS] = event
-            return
-        if partial is not None:  # reduce_output += partial_reduce_output
-            event = g.add("copy", RS, f"{u.name} add partial reduce output", deps=(event,),
-                          hbm_bytes=2 * rs_out.nbytes + partial.nbytes)
-        if s.replicate_size > 1:
-            post_reduce_stream = AR
-            event = g.add("all_reduce", AR, f"{u.name} all-reduce (replicas)", deps=(event,),
-                          group=REPLICATE_GROUP, comm_bytes=rs_out.nbytes)
-        if post_divide:
-            event = g.add("copy", post_reduce_stream, f"{u.name} post-divide grads by {post_divide:g}", deps=(event,),
-                          hbm_bytes=2 * rs_out.nbytes)
-        new_grad = rs_out
-        if cast:
-            new_grad = g.alloc(post_reduce_stream,
-                               f"{u.name} sharded grads" if existing is None else f"{u.name} new sharded grads",
-                               "sharded_grads" if existing is None else "reduce_scatter_buffers",
-                               shard * s.storage_bytes, deps=(event,))
-            event = g.add("copy", post_reduce_stream, f"{u.name} cast sharded grads to {s.storage_dtype}", deps=(event,),
-                          hbm_bytes=rs_out.nbytes + new_grad.nbytes)
-        if existing is not None:  # sharded_param.grad += new sharded grad
-            event = g.add("copy", post_reduce_stream, f"{u.name} accumulate sharded grads", deps=(event,),
-                          hbm_bytes=2 * existing.nbytes + new_grad.nbytes)
-        else:
-            self.sharded_grads[u.name] = new_grad
-        # returned: what no sharded gradient references is dropped
-        if new_grad is not rs_out and existing is not None:
-            g.free(post_reduce_stream, new_grad)
-        if not rs_out_is_grad:
-            if s.replicate_size > 1:
-                self.all_reduce_states[u.name] = rs_out
-            else:
-                g.free(RS, rs_out)
-        if partial is not None:  # PG:post_backward: self._partial_reduce_output = None
-            g.free(RS, partial)
-        self.last_post_reduce_events[post_reduce_stream] = event
-
-    # ---- autograd: what each module's forward and backward allocate -----------------------------
-    def _scaled(self, nbytes: int) -> int:
-        """Activation bytes in this run's compute dtype (the workload may be traced in another)."""
-        return nbytes * self.s.param_bytes // self.activation_bytes
-
-    def forward_compute(self, m: Module, prev: Module | None, *, recompute: bool = False) -> None:
-        g = self.g
-        checkpointed = self.s.activation_checkpointing and m.is_block
-        temp = self._scaled(m.fwd_temp_bytes) + (self._scaled(m.saved_bytes) if checkpointed and not recompute else 0)
-        transient = g.alloc(COMPUTE, f"{m.name} forward temporaries", "temporaries" if not recompute else "activations", temp) if temp else None
-        if m.saved_bytes and (recompute or not checkpointed):
-            self.saved[m.name] = g.alloc(COMPUTE, f"{m.name} saved activations", "activations", self._scaled(m.saved_bytes))
-        if not recompute:
-            self.outputs[m.name] = g.alloc(COMPUTE, f"{m.name} output", "activations", self._scaled(m.output_bytes))
-        # a non-reentrant checkpoint's recompute stops at the block's last saved tensor (early_stop)
-        g.add("compute", COMPUTE, f"{m.name} {'recompute' if recompute else 'forward'}",
-              flops=m.fwd_flops, hbm_bytes=self._scaled(m.fwd_hbm_bytes), measured_s=m.fwd_time_s,
-              kernels=m.kernels, kernel_pass="recompute" if recompute else "forward")
-        if transient is not None:
-            g.free(COMPUTE, transient)
-        if not recompute and prev is not None and not (m.saves_input or checkpointed):
-            g.free(COMPUTE, self.outputs.pop(prev.name))
-
-    def backward_compute(self, m: Module, prev: Module | None, nxt: Module | None) -> None:
-        g, s = self.g, self.s
-        if s.activation_checkpointing and m.is_block:
-            self.forward_compute(m, prev, recompute=True)
-        # the transient moment first (it holds whatever gradients exist then); autograd releases
-        # each op's saved tensors as its backward runs, so by the end only what the backward leaves
-        # remains: the gradient w.r.t. the input and the parameters' unsharded gradients
-        temp = g.alloc(COMPUTE, f"{m.name} backward temporaries", "temporaries", self._scaled(m.bwd_temp_bytes)) if m.bwd_temp_bytes else None
-        g.add("compute", COMPUTE, f"{m.name} backward", flops=m.bwd_flops, hbm_bytes=2 * self._scaled(m.fwd_hbm_bytes),
-              measured_s=m.bwd_time_s, kernels=m.kernels, kernel_pass="backward")
-        if temp is not None:
-            g.free(COMPUTE, temp)
-        if m.name in self.saved:
-            g.free(COMPUTE, self.saved.pop(m.name))
-        grad_input = None
-        if prev is not None:
-            grad_input = g.alloc(COMPUTE, f"{m.name} grad input", "temporaries", self._scaled(prev.output_bytes))
-        for p in m.params + tuple(self.params_by_name[n] for n in m.tied_params):
-            if p.trainable and p.name not in self.unsharded_grads:
-                self.unsharded_grads[p.name] = g.alloc(COMPUTE, f"{p.name} unsharded grad", "unsharded_grads", p.numel * s.param_bytes)
-        if self.grad_output is not None:
-            g.free(COMPUTE, self.grad_output)
-        if nxt is None:
-            g.free(COMPUTE, self.outputs.pop(m.name))  # the loss value
-        if prev is not None and prev.name in self.outputs:
-            g.free(COMPUTE, self.outputs.pop(prev.name))  # this module's saved input
-        self.grad_output = grad_input
-
-    # ---- optimizer ------------------------------------------------------------------------------
-    def optimizer_step(self, last_reduce: Op | None) -> None:
-        """The optimizer step on the sharded fp32 parameters (see `optimizers.py`), then
-        zero_grad(set_to_none=True)."""
-        g, s = self.g, self.s
-        g.phase, g.unit = "optimizer", ""
-        shards = [p.padded_shard_numel(s.shard_size) for u in self.units for p in u.params if p.trainable]
-        cost = step_cost(s.optimizer, s.optimizer_impl, s.momentum, shards)
-        temp = g.alloc(COMPUTE, f"{s.optimizer}.step temporaries", "optimizer_states", cost.temp_bytes,
-                       deps=(last_reduce,)) if cost.temp_bytes else None
-        g.add("compute", COMPUTE, f"{s.optimizer}.step", deps=(last_reduce,), hbm_bytes=cost.traffic_bytes,
-              launches=cost.launches)
-        if temp is not None:
-            g.free(COMPUTE, temp)
-        for buf in self.sharded_grads.values():
-            g.free(COMPUTE, buf)
-        self.sharded_grads.clear()
-
-
-def gradient_divide_factors(reduce_dtype: str, data_parallel_size: int) -> tuple[float | None, float | None]:
-    """COL:_get_gradient_divide_factors without a user factor: the (pre, post) divide kernels, None if none.
-
-    fp32 and bf16 reduce with NCCL's ReduceOp.AVG, no divide kernel; fp16 sums, dividing by about
-    sqrt(N) before and the rest after to stay in range. A factor of 1 runs no kernel (_div_if_needed).
-    """
-    if reduce_dtype in ("fp32", "bf16"):
-        return None, None
-    factor = float(data_parallel_size)
-    pre = 1
-    while factor % pre == 0 and factor / pre > pre:
-        pre *= 2
-    post = factor / pre
-    return (pre if pre != 1 else None), (post if post != 1 else None)
 
 
 def build_fsdp2_step(workload: Workload, units: list[Unit], settings: FSDPSettings) -> OpGraph:

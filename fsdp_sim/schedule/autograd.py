@@ -1,0 +1,102 @@
+"""What autograd and the optimizer issue on the compute stream, whatever FSDP runtime wraps them.
+
+A runtime (FSDP2 today, FSDP1 next) subclasses `AutogradStep` and calls `forward_compute` /
+`backward_compute` for each module between its own hooks, and `optimizer_step` at the end; this part
+allocates and frees the activations, the gradients autograd produces and the optimizer's temporaries,
+and emits each module's compute op with its kernels.
+"""
+
+from __future__ import annotations
+
+from fsdp_sim.dtypes import itemsize
+from fsdp_sim.schedule.ops import Buffer, Op, OpGraph
+from fsdp_sim.schedule.optimizers import step_cost
+from fsdp_sim.schedule.settings import FSDPSettings
+from fsdp_sim.workload.model import Module, Workload
+from fsdp_sim.wrap import Unit
+
+COMPUTE = "compute"  # the current CUDA stream
+
+
+class AutogradStep:
+    """The state autograd keeps across modules: outputs, saved tensors, gradients."""
+
+    def __init__(self, workload: Workload, units: list[Unit], settings: FSDPSettings) -> None:
+        self.wl, self.units, self.s = workload, units, settings
+        self.g = OpGraph()
+        self.outputs: dict[str, Buffer] = {}
+        self.saved: dict[str, Buffer] = {}
+        self.grad_output: Buffer | None = None
+        self.unsharded_grads: dict[str, Buffer] = {}  # this backward's, by parameter
+        self.sharded_grads: dict[str, Buffer] = {}  # by unit
+        self.activation_bytes = itemsize(workload.activation_dtype)
+        self.params_by_name = {p.name: p for p in workload.params}
+
+    # ---- autograd: what each module's forward and backward allocate -----------------------------
+    def _scaled(self, nbytes: int) -> int:
+        """Activation bytes in this run's compute dtype (the workload may be traced in another)."""
+        return nbytes * self.s.param_bytes // self.activation_bytes
+
+    def forward_compute(self, m: Module, prev: Module | None, *, recompute: bool = False) -> None:
+        g = self.g
+        checkpointed = self.s.activation_checkpointing and m.is_block
+        temp = self._scaled(m.fwd_temp_bytes) + (self._scaled(m.saved_bytes) if checkpointed and not recompute else 0)
+        transient = g.alloc(COMPUTE, f"{m.name} forward temporaries", "temporaries" if not recompute else "activations", temp) if temp else None
+        if m.saved_bytes and (recompute or not checkpointed):
+            self.saved[m.name] = g.alloc(COMPUTE, f"{m.name} saved activations", "activations", self._scaled(m.saved_bytes))
+        if not recompute:
+            self.outputs[m.name] = g.alloc(COMPUTE, f"{m.name} output", "activations", self._scaled(m.output_bytes))
+        # a non-reentrant checkpoint's recompute stops at the block's last saved tensor (early_stop)
+        g.add("compute", COMPUTE, f"{m.name} {'recompute' if recompute else 'forward'}",
+              flops=m.fwd_flops, hbm_bytes=self._scaled(m.fwd_hbm_bytes), measured_s=m.fwd_time_s,
+              kernels=m.kernels, kernel_pass="recompute" if recompute else "forward")
+        if transient is not None:
+            g.free(COMPUTE, transient)
+        if not recompute and prev is not None and not (m.saves_input or checkpointed):
+            g.free(COMPUTE, self.outputs.pop(prev.name))
+
+    def backward_compute(self, m: Module, prev: Module | None, nxt: Module | None) -> None:
+        g, s = self.g, self.s
+        if s.activation_checkpointing and m.is_block:
+            self.forward_compute(m, prev, recompute=True)
+        # the transient moment first (it holds whatever gradients exist then); autograd releases
+        # each op's saved tensors as its backward runs, so by the end only what the backward leaves
+        # remains: the gradient w.r.t. the input and the parameters' unsharded gradients
+        temp = g.alloc(COMPUTE, f"{m.name} backward temporaries", "temporaries", self._scaled(m.bwd_temp_bytes)) if m.bwd_temp_bytes else None
+        g.add("compute", COMPUTE, f"{m.name} backward", flops=m.bwd_flops, hbm_bytes=2 * self._scaled(m.fwd_hbm_bytes),
+              measured_s=m.bwd_time_s, kernels=m.kernels, kernel_pass="backward")
+        if temp is not None:
+            g.free(COMPUTE, temp)
+        if m.name in self.saved:
+            g.free(COMPUTE, self.saved.pop(m.name))
+        grad_input = None
+        if prev is not None:
+            grad_input = g.alloc(COMPUTE, f"{m.name} grad input", "temporaries", self._scaled(prev.output_bytes))
+        for p in m.params + tuple(self.params_by_name[n] for n in m.tied_params):
+            if p.trainable and p.name not in self.unsharded_grads:
+                self.unsharded_grads[p.name] = g.alloc(COMPUTE, f"{p.name} unsharded grad", "unsharded_grads", p.numel * s.param_bytes)
+        if self.grad_output is not None:
+            g.free(COMPUTE, self.grad_output)
+        if nxt is None:
+            g.free(COMPUTE, self.outputs.pop(m.name))  # the loss value
+        if prev is not None and prev.name in self.outputs:
+            g.free(COMPUTE, self.outputs.pop(prev.name))  # this module's saved input
+        self.grad_output = grad_input
+
+    # ---- optimizer ------------------------------------------------------------------------------
+    def optimizer_step(self, last_reduce: Op | None) -> None:
+        """The optimizer step on the sharded fp32 parameters (see `optimizers.py`), then
+        zero_grad(set_to_none=True)."""
+        g, s = self.g, self.s
+        g.phase, g.unit = "optimizer", ""
+        shards = [p.padded_shard_numel(s.shard_size) for u in self.units for p in u.params if p.trainable]
+        cost = step_cost(s.optimizer, s.optimizer_impl, s.momentum, shards)
+        temp = g.alloc(COMPUTE, f"{s.optimizer}.step temporaries", "optimizer_states", cost.temp_bytes,
+                       deps=(last_reduce,)) if cost.temp_bytes else None
+        g.add("compute", COMPUTE, f"{s.optimizer}.step", deps=(last_reduce,), hbm_bytes=cost.traffic_bytes,
+              launches=cost.launches)
+        if temp is not None:
+            g.free(COMPUTE, temp)
+        for buf in self.sharded_grads.values():
+            g.free(COMPUTE, buf)
+        self.sharded_grads.clear()
