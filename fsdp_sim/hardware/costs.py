@@ -64,7 +64,6 @@ class OpCosts:
             return self.compute.duration(op)
         return 0.0
 
-
     def _hbm_demand(self, op: Op) -> float:
         """HBM bytes/s a running collective draws: its link traffic per second, three times over."""
         dur = self.duration(op)
