@@ -21,6 +21,9 @@ from pathlib import Path
 from fsdp_sim.errors import ScenarioError, one_line
 
 
+MAX_JOBS = 256
+
+
 def _json(data, **kw) -> str:
     """Strict JSON (no NaN or Infinity, which JSON does not have): a figure that is not finite is refused."""
     try:
@@ -115,8 +118,8 @@ def _progress(args: argparse.Namespace) -> bool:
 
 
 def _check_sweep_args(args: argparse.Namespace) -> None:
-    if args.jobs is not None and args.jobs <= 0:
-        raise ScenarioError(f"--jobs: must be a positive integer, got {args.jobs}")
+    if args.jobs is not None and not 0 < args.jobs <= MAX_JOBS:  # each job is a process, started at once
+        raise ScenarioError(f"--jobs: must be a positive integer of at most {MAX_JOBS}, got {args.jobs}")
     from fsdp_sim.executors import check
 
     check(args.executor, args.scheduler)  # before the default search space is built or anything runs
@@ -232,7 +235,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage error as the same single line as every other bad input."""
 
     def error(self, message: str):
-        self.exit(2, f"fsdp-sim: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"fsdp-sim: error: {one_line(f'{message} (see {self.prog} --help)')}\n")
 
 
 def _version() -> str:

@@ -104,8 +104,8 @@ def _check_key(where: str, key: Any) -> None:
 
 def _number(where: str, spec: dict, key: str, default=None):
     value = spec.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ScenarioError(f"{where}.{key}: expected a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= 1e18:
+        raise ScenarioError(f"{where}.{key}: expected a finite number of at most 1e18, got {show(value)}")
     return value
 
 
@@ -132,9 +132,10 @@ def _range(where: str, spec: dict) -> list:
         step = _number(where, spec, "step", 1)
         if step <= 0:
             raise ScenarioError(f"{where}.step: must be positive, got {step}")
-        count = int((stop - start) / step + 1e-9) + 1
+        count = (stop - start) / step + 1e-9 + 1  # a float: a 1e-300 step must not become a huge int
         if count > MAX_POINTS:
-            raise ScenarioError(f"{where}: {count:,} values, more than {MAX_POINTS:,}")
+            raise ScenarioError(f"{where}: {count:,.0f} values, more than {MAX_POINTS:,}")
+        count = int(count)
         out = [start + i * step for i in range(count)]
         if all(isinstance(v, int) for v in (start, step)):
             out = [int(v) for v in out]

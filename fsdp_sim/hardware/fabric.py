@@ -155,7 +155,8 @@ def _mapping(where: str, data, keys: set[str]) -> dict:
 
 # the largest value of each kind of figure, and the smallest of a rate: far outside any real fabric, so
 # that every collective's time stays finite
-_LIMITS = {"latency": (0.0, 1.0), "rate": (1e-3, 1e16), "count": (1, 1 << 20), "size": (1.0, 2.0 ** 60)}
+_LIMITS = {"latency": (0.0, 1.0), "rate": (1e-3, 1e16), "count": (1, 1 << 20), "size": (1.0, 2.0 ** 60),
+           "fraction": (1e-3, 1.0), "factor": (1.0, 1000.0)}
 
 
 def _kind(where: str) -> str:
@@ -164,6 +165,8 @@ def _kind(where: str) -> str:
         return "latency"
     if leaf in ("ranks", "nodes", "nccl_channels", "nics_per_node"):
         return "count"
+    if leaf in ("nic_efficiency", "oversubscription"):
+        return "fraction" if leaf == "nic_efficiency" else "factor"
     return "size" if leaf == "size_bytes" else "rate"
 
 
