@@ -25,7 +25,6 @@ from fsdp_sim.hardware import kernel_data as kd
 from fsdp_sim.workload.model import Kernel
 
 SDPA_BACKENDS = ("auto", "flash", "cudnn")
-SM_BOUND = ("matmul", "attention")  # what an NCCL kernel slows by holding SMs; "memory" it slows by HBM traffic
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,6 @@ Required keys: the workload's `name` and `modules`, each module's `name` and `ki
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
