@@ -54,6 +54,7 @@ class Op:
     kernels: tuple = ()  # a module's `Kernel`s, run as `kernel_pass` (forward | backward | recompute)
     kernel_pass: str = ""
     launches: int = 1  # kernels the CPU launches for an op priced from FLOPs and bytes (a copy, a foreach pass)
+    record_stream: str = ""  # a free: the stream `Tensor.record_stream` named (FSDP1); the block waits for it
 
 
 class OpGraph:
@@ -80,8 +81,13 @@ class OpGraph:
         self.add("alloc", stream, name, deps=deps, buffer=buf)
         return buf
 
-    def free(self, stream: str, buf: Buffer, *, deps=()) -> Op:
-        return self.add("free", stream, buf.name, deps=deps, buffer=buf)
+    def free(self, stream: str, buf: Buffer, *, deps=(), record_stream: str = "") -> Op:
+        """Free `buf` on `stream`. `record_stream`: the tensor was recorded on that stream
+        (`Tensor.record_stream`, as FSDP1 frees), so the caching allocator may reuse its block only once
+        that stream has passed the work it had queued when the free was issued."""
+        op = self.add("free", stream, buf.name, deps=deps, buffer=buf)
+        op.record_stream = record_stream
+        return op
 
     def persistent_alloc(self, name: str, category: str, nbytes: int) -> Buffer:
         """State alive before the step starts and after it ends (sharded params, optimizer states)."""
