@@ -63,7 +63,7 @@ def test_blocks_lie_in_their_segments_and_never_overlap(step):
         elif e["action"] == "free_completed":
             del live[e["addr"]]
     assert sum(s["total_size"] for s in snap["segments"]) == sum(b - a for a, b, _ in segments)
-    assert sum(s["total_size"] for s in snap["segments"]) >= step.memory.reserved_bytes  # placement fragments
+    assert sum(s["total_size"] for s in snap["segments"]) >= int(step.memory.total.max())  # segments hold the peak
 
 
 def test_pytorch_memory_viz_reads_it(tmp_path):

@@ -9,7 +9,6 @@ import io
 
 import numpy as np
 
-from fsdp_sim.engine.ledger import allocator_size
 from fsdp_sim.results.analysis import StepResult
 from fsdp_sim.schedule.ops import CATEGORIES
 
@@ -65,27 +64,10 @@ def chrome_trace(result: StepResult, rank: int = 0) -> dict:
 
 
 def reserved_timeline(result: StepResult) -> np.ndarray:
-    """Reserved bytes after each memory event (row 0: the persistent state), as the ledger models them
-    (engine/ledger.py `replay`): per stream pool the high-water mark of its rounded live blocks, summed.
-    Never decreases (no empty_cache); the last value is `peak.reserved_bytes`."""
-    mem = result.memory
-    persistent = sum(allocator_size(b.nbytes) for b in mem.persistent)
-    level, high, pool_of = {"compute": persistent}, {"compute": persistent}, {}
-    total = persistent
-    out = np.empty(len(mem.events) + 1, dtype=np.int64)
-    out[0] = total
-    for i, (op, buf, sign) in enumerate(mem.events, 1):
-        if sign > 0:
-            pool_of[buf.id] = pool = op.stream
-            level[pool] = used = level.get(pool, 0) + allocator_size(buf.nbytes)
-            if used > high.get(pool, 0):
-                total += used - high.get(pool, 0)
-                high[pool] = used
-        else:
-            pool = pool_of.pop(buf.id, "compute")  # a persistent buffer lives in the compute pool
-            level[pool] -= allocator_size(buf.nbytes)
-        out[i] = total
-    return out
+    """Reserved bytes after each memory event (row 0: the persistent state) in a steady step, as the
+    caching allocator model predicts them (engine/reserved.py). Never decreases (no empty_cache); the last
+    value is `peak.reserved_bytes`."""
+    return result.memory.reserved
 
 
 def timeline_csv(result: StepResult) -> str:

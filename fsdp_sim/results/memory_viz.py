@@ -27,24 +27,10 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from fsdp_sim.engine.allocator import MIN_BLOCK, SMALL_SIZE, round_size, segment_size
 from fsdp_sim.results.analysis import StepResult
 
-MIN_BLOCK, SMALL_SIZE, SMALL_BUFFER = 512, 1 << 20, 2 << 20
-MIN_LARGE_ALLOC, LARGE_BUFFER, ROUND_LARGE = 10 << 20, 20 << 20, 2 << 20
 SEGMENT_ALIGN = 1 << 30  # fictional device addresses: each segment starts on its own GiB boundary
-
-
-def round_size(n: int) -> int:
-    return MIN_BLOCK if n < MIN_BLOCK else -(-n // MIN_BLOCK) * MIN_BLOCK
-
-
-def segment_size(n: int) -> int:
-    """cudaMalloc size for a request of n (rounded) bytes that no cached block fits."""
-    if n <= SMALL_SIZE:
-        return SMALL_BUFFER
-    if n < MIN_LARGE_ALLOC:
-        return LARGE_BUFFER
-    return -(-n // ROUND_LARGE) * ROUND_LARGE
 
 
 @dataclass(slots=True)

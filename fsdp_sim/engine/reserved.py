@@ -1,0 +1,197 @@
+"""Reserved memory through the training loop: the ledger's requests and frees played on the caching
+allocator model (engine/allocator.py), the first step and then steady steps.
+
+The first step differs from the others: an optimizer creates its states lazily, in its first `step()`
+(`torch.optim.Adam._init_group`: `state["exp_avg"] = torch.zeros_like(p, ...)` when the state is empty),
+so during the first forward and backward they do not exist and they are allocated, on the compute stream,
+where the optimizer phase begins: into the cache the first backward left. Segments are never returned
+(no `empty_cache` in the loop), so the next steps start from that cache; they are replayed until one
+adds no reserved memory (the steady state), up to `MAX_STEPS`.
+
+That is what a GPU with room to spare would reserve. On the scenario's GPU the driver gives the
+allocator only what is left (`ReservedModel.capped`): a request it cannot serve makes `malloc` return
+the cache's free segments and retry, and only then raise an OOM; there steps are replayed until the
+allocator's state at a step's start repeats, when every later step does the same (its retries).
+
+Times: a request is made when the CPU issues it (`Timing.issued`), which is when `malloc` runs
+`process_events`; a free with `record_stream` waits for the event recorded on that stream at the free,
+which completes when the last op that stream had queued by then ends. Step k runs k step times later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fsdp_sim.engine.allocator import AllocatorConfig, CachingAllocator, OutOfMemory, pool_key, round_size
+
+MAX_STEPS = 4  # the first step and up to three more; a step that adds nothing ends the replay early
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """The ledger's events as the allocator plays them, built once for every step of every replay."""
+
+    config: AllocatorConfig
+    persistent: list[tuple[int, int]]  # (buffer id, bytes) allocated before the first step, lazy states aside
+    lazy: list[tuple[int, int]]  # optimizer states, created where the first optimizer phase begins
+    lazy_at: int  # the index of the event they are created before (len(events): after the last)
+    lazy_now: float  # when the CPU creates them
+    events: list[tuple]  # (buffer, +bytes / -bytes, rounded bytes (0: a free), pool, issued, ready): each
+    # request's `round_size` and `get_pool` worked out once (`CachingAllocator.play`'s events)
+    kept: frozenset[int]  # the persistent buffers: alive across steps
+    period: float  # one step's time
+
+
+@dataclass(frozen=True, slots=True)
+class CappedReplay:
+    """The steps replayed with the driver limited to `limit_bytes` (what the GPU leaves the allocator)."""
+
+    limit_bytes: int
+    oom: bool  # a request failed even after releasing the cache and retrying (`OutOfMemoryError`)
+    reserved_bytes: int  # the most reserved at once (`max_memory_reserved`); <= limit_bytes unless oom
+    retries_per_step: int  # `num_alloc_retries` in the last step replayed (steady if its state repeated; oom: the failing one)
+    retries: int  # `num_alloc_retries` over every step replayed (the first steps may release what later ones reuse)
+    steps: int  # steps replayed to the end (the one that ran out of memory not counted)
+
+
+@dataclass(slots=True)
+class ReservedModel:
+    """What the allocator model predicts for the step."""
+
+    timeline: np.ndarray  # (n+1,) reserved bytes after each ledger event of the last step replayed (row 0: before it)
+    reserved_bytes: int  # peak reserved (`torch.cuda.max_memory_reserved`): reserved after the last step
+    first_step_allocated_bytes: int  # peak allocated of the first step (no optimizer states until its optimizer phase)
+    first_step_row: int  # the ledger row of that peak (0: before the step; an optimizer state creation: its phase's first event)
+    first_step_reserved_bytes: int  # reserved at the end of the first step
+    releasable_bytes: int  # what `torch.cuda.empty_cache()` would return after the step
+    by_stream: dict[str, int]  # reserved per stream (its small and large pools)
+    steps: int  # steps replayed until reserved stopped growing (MAX_STEPS: it still grew)
+    plan: StepPlan = field(repr=False)
+    _capped: dict[int, CappedReplay] = field(default_factory=dict, repr=False)
+
+    def capped(self, limit: int) -> CappedReplay:
+        """The same steps when the driver can give the allocator only `limit` bytes (remembered)."""
+        if limit not in self._capped:
+            self._capped[limit] = replay_capped(self.plan, limit)
+        return self._capped[limit]
+
+
+def _ready_times(ops, end: np.ndarray, issued: np.ndarray) -> dict[int, float]:
+    """For each free with `record_stream`: when the event recorded on that stream at the free completes
+    (the end of the last op the stream had queued; the free's own issue time if it had queued none)."""
+    last: dict[str, int] = {}
+    ready = {}
+    for op in ops:
+        if op.kind == "free" and op.record_stream and op.record_stream != op.stream:
+            i = last.get(op.record_stream)
+            ready[op.id] = float(end[i]) if i is not None else float(issued[op.id])
+        last[op.stream] = op.id
+    return ready
+
+
+def step_plan(ops, events, persistent, issued: np.ndarray, end: np.ndarray, config: AllocatorConfig) -> StepPlan:
+    """The plan of `events` (the ledger's (op, buffer, +1/-1) in issue order)."""
+    ready = _ready_times(ops, end, issued) if any(op.record_stream for op in ops if op.kind == "free") else {}
+    period = float(max(end.max(), issued.max())) if len(end) else 0.0
+    optimizer_from = next((op.id for op in ops if op.phase == "optimizer"), None)
+    lazy = [(b.id, b.nbytes) for b in persistent if b.category == "optimizer_states" and optimizer_from is not None]
+    late = {i for i, _ in lazy}
+    times = issued.tolist()
+    plan, pools = [], {}  # pools: (stream, bytes) -> (rounded bytes, pool), as buffers repeat their sizes
+    for op, buf, sign in events:
+        if sign > 0:
+            pool = pools.get((op.stream, buf.nbytes))
+            if pool is None:
+                size = round_size(buf.nbytes)
+                pool = pools[op.stream, buf.nbytes] = size, pool_key(op.stream, size)
+            plan.append((buf.id, buf.nbytes, *pool, times[op.id], None))
+        else:
+            plan.append((buf.id, -buf.nbytes, 0, None, times[op.id], ready.get(op.id)))
+    lazy_at = next((i for i, (op, _, _) in enumerate(events) if op.id >= optimizer_from), len(events)) if lazy else len(events)
+    return StepPlan(config, [(b.id, b.nbytes) for b in persistent if b.id not in late], lazy, lazy_at,
+                    plan[lazy_at][4] if lazy_at < len(plan) else period, plan, frozenset(b.id for b in persistent),
+                    period)
+
+
+def _start(plan: StepPlan, alloc: CachingAllocator) -> dict:
+    """The persistent buffers (the optimizer states aside), allocated before the first step."""
+    return {i: alloc.malloc(n, "compute") for i, n in plan.persistent}
+
+
+def _step(plan: StepPlan, alloc: CachingAllocator, blocks: dict, step: int, record: bool) -> list[int] | None:
+    """Play step `step` (the first creates the optimizer states); with `record`, reserved before and
+    after each event."""
+    offset = step * plan.period
+    reserved = [alloc.reserved] if record else None
+    events = plan.events
+    parts = (events[:plan.lazy_at], events[plan.lazy_at:]) if step == 0 and plan.lazy else (events,)
+    for k, part in enumerate(parts):
+        if k:  # the first optimizer step creates the states
+            for i, n in plan.lazy:
+                blocks[i] = alloc.malloc(n, "compute", plan.lazy_now)
+        alloc.play(part, offset, blocks, reserved)
+    kept = plan.kept
+    for buf in [i for i in blocks if i not in kept]:  # alive past the step's end: freed before the next
+        alloc.free(blocks.pop(buf))
+    return reserved
+
+
+def replay_allocator(ops, events, persistent, issued: np.ndarray, end: np.ndarray,
+                     config: AllocatorConfig = AllocatorConfig()) -> ReservedModel:
+    """Play `events` (the ledger's (op, buffer, +1/-1) in issue order) on the allocator model, the first
+    step with lazily created optimizer states, then steady steps (see the module)."""
+    plan = step_plan(ops, events, persistent, issued, end, config)
+    alloc = CachingAllocator(config)
+    blocks = _start(plan, alloc)
+    steps, before, first_reserved, timeline = 0, -1, 0, None
+    while steps < MAX_STEPS and alloc.reserved != before:
+        before = alloc.reserved
+        # only the last possible step needs reserved event by event: an earlier one is the last replayed
+        # only if it added nothing, when reserved stayed `before` throughout
+        timeline = _step(plan, alloc, blocks, steps, steps == MAX_STEPS - 1)
+        if steps == 0:
+            first_reserved = alloc.reserved
+        steps += 1
+    if timeline is None:
+        timeline = [before] * (len(plan.events) + 1)
+    alloc.synchronize()
+    by_stream: dict[str, int] = {}
+    for seg in alloc.segments:
+        by_stream[seg.stream] = by_stream.get(seg.stream, 0) + seg.size
+    first_peak, first_row = _first_step_peak(plan)
+    return ReservedModel(np.array(timeline, dtype=np.int64), alloc.reserved, first_peak, first_row, first_reserved,
+                         alloc.releasable(), by_stream, steps, plan)
+
+
+def _first_step_peak(plan: StepPlan) -> tuple[int, int]:
+    """Peak allocated of the first step and its row: the optimizer states count from their creation."""
+    allocated = np.empty(len(plan.events) + 1, dtype=np.int64)
+    allocated[0] = sum(n for _, n in plan.persistent)
+    np.cumsum(np.fromiter((e[1] for e in plan.events), dtype=np.int64, count=len(plan.events)), out=allocated[1:])
+    allocated[1:] += allocated[0]
+    allocated[plan.lazy_at + 1:] += sum(n for _, n in plan.lazy)
+    row = int(np.argmax(allocated))
+    return int(allocated[row]), row
+
+
+def replay_capped(plan: StepPlan, limit: int) -> CappedReplay:
+    """The steps of `plan` with the driver limited to `limit` bytes, until the state at a step's start
+    repeats (events all complete at a step's end first: the next step's first request would run them)."""
+    alloc = CachingAllocator(plan.config, limit=limit)
+    steps, retries, seen = 0, 0, None
+    try:
+        blocks = _start(plan, alloc)
+        while steps < MAX_STEPS:
+            retries = alloc.retries
+            _step(plan, alloc, blocks, steps, False)
+            steps += 1
+            alloc.synchronize()
+            state = alloc.state()  # the first step's start (no optimizer states) is never compared
+            if state == seen:
+                break
+            seen = state
+    except OutOfMemory:
+        return CappedReplay(limit, True, alloc.peak, alloc.retries - retries, alloc.retries, steps)
+    return CappedReplay(limit, False, alloc.peak, alloc.retries - retries, alloc.retries, steps)
