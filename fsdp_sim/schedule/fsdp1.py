@@ -1,0 +1,321 @@
+"""The FSDP1 (`FullyShardedDataParallel`) runtime of one training step, as an op graph.
+
+One method per hook of torch/distributed/fsdp/_runtime_utils.py (torch 2.13), in the order PyTorch
+calls them: `pre_forward` (`_pre_forward_unshard`), `post_forward` (`_post_forward_reshard`),
+`pre_backward` (`_pre_backward_hook`), `post_backward` (`_post_backward_hook`), the root's
+`_post_backward_final_callback`, and beneath them `unshard` (`_unshard`), `reshard` (`_reshard`) and
+`prefetch` (`_prefetch_handle` with `_get_handle_to_prefetch`). The gradient reduction is in
+`fsdp1_reduce.py`. Which hook runs around which module is the same walk as FSDP2's (both hook the
+same module boundaries), so this class reuses `FSDP2Runtime.build` / `micro_batch` and replaces every hook.
+
+Each unit is one FlatParameter (`flat_param.py`): its parameters flattened (with `use_orig_params`,
+each aligned to 16 bytes of the compute dtype and the total padded to a multiple of the world size,
+`_init_flat_param_and_metadata`), sharded with `torch.chunk` semantics and padded to the first chunk
+(`_get_shard`): S = ceil(N / W) elements per rank. The all-gather writes the padded unsharded flat
+parameter (S x W) on the unshard stream and the parameters are views of it: no copy-out.
+
+Streams (`_init_streams`): `compute` (the default stream), `pre_unshard` (the low-precision `_mp_shard`
+cast), `unshard` (allocation of the unsharded flat parameter and the all-gather), `post_backward`
+(the reduce-scatter and the gradient casts) and, under HSDP only, `all_reduce`. A tensor used on another
+stream than the one it was allocated on is freed after `record_stream`: the free sits on its allocation
+stream (its block's pool) and names the stream that used it (`Op.record_stream`), whose queued work the
+caching allocator waits for before it reuses the block.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from fsdp_sim.schedule.autograd import COMPUTE
+from fsdp_sim.schedule.fsdp1_reduce import FlatGradientReduction
+from fsdp_sim.schedule.fsdp2 import FSDP2Runtime
+from fsdp_sim.schedule.fsdp2_reduce import SHARD_GROUP
+from fsdp_sim.schedule.ops import Buffer, Op, OpGraph
+from fsdp_sim.hardware.host_link import H2D
+from fsdp_sim.schedule.optimizers import state_bytes
+from fsdp_sim.schedule.settings import FSDPSettings
+from fsdp_sim.workload.model import Module, Workload
+from fsdp_sim.wrap import Unit
+
+PRE_UNSHARD, UNSHARD = "pre_unshard", "unshard"
+# _flat_param.py: RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES (the others keep the parameters until backward)
+RESHARD_AFTER_FORWARD = ("FULL_SHARD", "HYBRID_SHARD")
+MAX_INFLIGHT_ALL_GATHERS = 2  # _limiter_utils._FreeEventQueue._max_num_inflight_all_gathers ("empirically chosen")
+ALIGNMENT = 16  # bytes: _flat_param._get_aligned_numel (use_orig_params=True), "from TorchInductor"
+
+
+def flat_param_numel(numels: list[int], world: int, aligned_numel: int) -> int:
+    """Elements of a FlatParameter before sharding: the parameters in order, each starting at a multiple
+    of `aligned_numel` and the total padded to a multiple of `world` (`_init_flat_param_and_metadata`,
+    only with use_orig_params, where aligned_numel > 0); without alignment, their sum."""
+    total = 0
+    for n in numels:
+        if aligned_numel and total % aligned_numel:
+            total += aligned_numel - total % aligned_numel
+        total += n
+    if aligned_numel and total % world:
+        total += world - total % world
+    return total
+
+
+class FSDP1Runtime(FlatGradientReduction, FSDP2Runtime):
+    """Walks one step and emits what FullyShardedDataParallel and autograd issue."""
+
+    def __init__(self, workload: Workload, units: list[Unit], settings: FSDPSettings) -> None:
+        super().__init__(workload, units, settings)
+        s = settings
+        # FSDP1 turns a sharded strategy on a group of one into NO_SHARD (`_init_core_state`)
+        self.sharded = s.shard_size > 1 and s.sharding_strategy != "NO_SHARD"
+        self.mixed_precision = s.param_dtype != s.storage_dtype  # _uses_param_mixed_precision
+        aligned = ALIGNMENT // s.param_bytes if s.use_orig_params else 0
+        world = s.shard_size if self.sharded else s.shard_size * s.replicate_size
+        self.flat_numel = {u.name: flat_param_numel([p.numel for p in u.params], world, aligned)
+                           for u in units if u.params}
+        # the local flat shard: ceil(N / W) (padded), or the whole flat parameter under NO_SHARD
+        self.local = {name: -(-n // s.shard_size) if self.sharded else n for name, n in self.flat_numel.items()}
+        self.trainable = {u.name for u in units if any(p.trainable for p in u.params)}
+        self.mp_shards: dict[str, Buffer] = {}  # flat_param._mp_shard while allocated
+        self.flat_grads: dict[str, Buffer] = {}  # flat_param.grad, unsharded (kept under no_sync)
+        self.free_event_queue: deque[Op] = deque()  # state._free_event_queue (the rate limiter)
+        self.unshard_stream_tail: Op | None = None  # what a wait_stream(unshard stream) waits
+        self.prefetched: set[str] = set()  # handle._prefetched
+        self.needs_pre_forward_unshard: set[str] = set()
+        self.needs_pre_backward_unshard: set[str] = set()
+        self.delayed_post_backward: Unit | None = None  # a forward-prefetched unit's hook, run one unit late
+
+    # ---- persistent state and the optimizer ----------------------------------------------------
+    def _persistent_state(self) -> None:
+        """The sharded fp32 flat parameter (`_local_shard`, padded) and the optimizer's states over it (one
+        1-D tensor); under CPUOffload both in pinned host memory, beside the preallocated `_cpu_grad`."""
+        s, g = self.s, self.g
+        for u in self.units:
+            if u.name not in self.local:
+                continue
+            g.unit = u.name
+            local = self.local[u.name]
+            self.hold_state(f"{u.name} sharded flat param", "sharded_params", local * s.storage_bytes)
+            if u.name in self.trainable:
+                if states := state_bytes(s.optimizer, s.momentum, [(local,)], s.storage_bytes):
+                    self.hold_state(f"{u.name} {s.optimizer} states", "optimizer_states", states)
+                if s.offload_params:  # _pre_forward: _cpu_grad = zeros_like(_local_shard).pin_memory()
+                    self.host.hold("sharded_grads", local * s.storage_bytes)
+
+    def optimizer_shards(self) -> list[int]:
+        """The optimizer steps one flat parameter per unit (use_orig_params=False)."""
+        return [self.local[name] for name in self.local if name in self.trainable]
+
+    # ---- forward (_pre_forward, _post_forward) --------------------------------------------------
+    def pre_forward(self, u: Unit, inputs: Module | None = None) -> None:
+        """`_root_pre_forward` (the root: the unshard streams wait the compute stream; with forward_prefetch
+        every handle needs a pre-forward unshard), then `_pre_forward_unshard`: unshard unless prefetched,
+        the compute stream waits the unshard stream, then the forward prefetch of the next unit in
+        pre-forward order (recorded in the first iteration: this is a later step)."""
+        g = self.g
+        g.unit = u.name
+        if u.is_root:
+            last = self._last_compute_op()
+            g.wait_event(UNSHARD, last)
+            g.wait_event(PRE_UNSHARD, last)
+            if self.s.forward_prefetch:
+                self.needs_pre_forward_unshard = set(self.local)
+        if u.name not in self.local:  # no FlatParameter: no handle
+            return
+        if u.name not in self.prefetched:
+            self.unshard(u)
+        self.needs_pre_forward_unshard.discard(u.name)
+        g.wait_event(COMPUTE, self.unshard_stream_tail)
+        order = self.pre_forward_order
+        i = order.index(u)
+        if self.s.forward_prefetch and i + 1 < len(order):
+            target = order[i + 1]
+            if target.name in self.needs_pre_forward_unshard and target.name not in self.prefetched:
+                self._prefetch(target)
+        g.unit = u.name
+
+    def post_forward(self, u: Unit, output: Module) -> None:
+        """`_post_forward`: record the post-forward order, `_post_forward_reshard` (the root and the
+        strategies that keep parameters after forward do not free), register the pre-backward hooks."""
+        if u.name not in self.local:
+            return
+        self.g.unit = u.name
+        self.post_forward_index[u.name] = len(self.post_forward_order)
+        self.post_forward_order.append(u)
+        self.reshard(u, free=not u.is_root and self.s.sharding_strategy in RESHARD_AFTER_FORWARD and self.sharded)
+        self.needs_pre_backward_unshard.add(u.name)
+
+    # ---- backward (_pre_backward_hook, _post_backward_hook) -------------------------------------
+    def pre_backward(self, u: Unit) -> None:
+        """`_pre_backward_hook`: unshard unless prefetched, the compute stream waits the unshard stream,
+        then `_prefetch_handle(BACKWARD)`, which with BACKWARD_PRE all-gathers the unit before this one
+        in post-forward order now, before this unit's gradient kernels."""
+        if u.name not in self.local:
+            return
+        g = self.g
+        g.unit = u.name
+        if u.name in self.needs_pre_backward_unshard:
+            if u.name not in self.prefetched:
+                self.unshard(u)
+            g.wait_event(COMPUTE, self.unshard_stream_tail)
+        self.needs_pre_backward_unshard.discard(u.name)
+        self.prefetch(u, "BACKWARD_PRE")
+        g.unit = u.name
+
+    def post_backward(self, u: Unit) -> None:
+        """Where autograd runs the unit's flat-parameter split backward and AccumulateGrad, which fires
+        `_post_backward_hook`: right after the unit's gradient kernels, except for a unit the forward
+        prefetch unsharded. Its views (and the split node) were then made in the previous unit's
+        pre-forward, before that unit's forward ops, and the engine runs ready nodes latest-created first,
+        so the split waits until the previous unit's backward has run: each prefetched unit's hook comes
+        one unit late, after the next unit's gradient kernels and before that next-but-one's pre-backward
+        (seen under MemTracker and in the hook order)."""
+        if u.name not in self.local:
+            return
+        pending, self.delayed_post_backward = self.delayed_post_backward, None
+        if pending is not None:
+            self.post_backward_hook(pending)
+        if self.s.forward_prefetch and self.pre_forward_order.index(u) > 0:
+            self.delayed_post_backward = u
+            return
+        self.post_backward_hook(u)
+
+    def post_backward_hook(self, u: Unit) -> None:
+        """`_post_backward_hook`, once autograd has concatenated the parameters' gradients into the flat
+        gradient (the split's backward is a cat).
+
+        `_post_backward_reshard` frees the parameters unless NO_SHARD, or no_sync with a strategy that keeps
+        them after forward (`_should_free_in_backward`), then `_prefetch_handle(BACKWARD)`: BACKWARD_POST
+        all-gathers the previous unit here, before this unit's reduce-scatter is issued. Inside no_sync
+        the unsharded flat gradient stays in `.grad`; otherwise it is reduced (`fsdp1_reduce.py`).
+        """
+        g = self.g
+        g.unit = u.name
+        if u.name in self.trainable:
+            self.accumulate_flat_grad(u)
+        free = self.sharded and (self.reduce_grads or self.s.sharding_strategy in RESHARD_AFTER_FORWARD)
+        self.reshard(u, free=free)
+        self.prefetch(u, "BACKWARD_POST")
+        g.unit = u.name
+        if u.name in self.trainable and self.reduce_grads:
+            self.reduce_grad(u)
+
+    def accumulate_flat_grad(self, u: Unit) -> None:
+        """Autograd's end of the unit: `split_with_sizes_backward` cats the parameters' gradients into one
+        flat gradient of the unpadded size (both exist at that moment), then AccumulateGrad keeps it as
+        `.grad` or, under no_sync, adds it into the one kept from the earlier micro-batch."""
+        g, s = self.g, self.s
+        grads = [self.unsharded_grads.pop(p.name) for p in u.params if p.name in self.unsharded_grads]
+        flat = g.alloc(COMPUTE, f"{u.name} flat grad", "unsharded_grads", self.flat_numel[u.name] * s.param_bytes)
+        g.add("copy", COMPUTE, f"{u.name} cat grads into the flat grad", hbm_bytes=2 * flat.nbytes)
+        for buf in grads:
+            g.free(COMPUTE, buf)
+        kept = self.flat_grads.get(u.name)
+        if kept is None:
+            self.flat_grads[u.name] = flat
+            return
+        g.add("copy", COMPUTE, f"{u.name} accumulate flat grad", hbm_bytes=3 * flat.nbytes)
+        g.free(COMPUTE, flat)
+
+    def root_post_backward_final_callback(self) -> Op | None:
+        """The root's AccumulateGrad hook runs last (its flat parameter holds the embedding, whose gradient
+        autograd computes last), then `_post_backward_final_callback`: the compute stream waits the
+        post-backward stream (and the all-reduce stream under HSDP) when gradients were synchronised;
+        every handle forgets its prefetch and pre-backward state, the execution order its post-forward
+        order. Returns the op the compute stream waited, for the optimizer step."""
+        self.post_backward(self.root)
+        self.g.unit = self.root.name
+        self.prefetched.clear()
+        self.needs_pre_backward_unshard.clear()
+        self.post_forward_order.clear()
+        self.post_forward_index.clear()
+        return self.final_reduction_wait() if self.reduce_grads else None
+
+    # ---- unshard / reshard / prefetch (_unshard, _reshard, _prefetch_handle) ---------------------
+    def unshard(self, u: Unit) -> None:
+        """`_unshard`: `pre_unshard` on the pre-unshard stream, the rate limiter, then on the unshard
+        stream `unshard` (allocate the padded unsharded flat parameter, all-gather into it) and
+        `post_unshard` (free `_mp_shard`, recorded on the unshard stream).
+
+        `pre_unshard` casts the fp32 shard into `_mp_shard` when the flat parameter must be gathered
+        (or always under NO_SHARD, where `_mp_shard` is the compute parameter, and under CPUOffload,
+        whose check skips `needs_unshard`); CPUOffload first copies the host shard to the GPU
+        (`_local_shard.to(device, non_blocking=True)`, an fp32 temporary), or without a param_dtype makes
+        that copy the all-gather input (`flat_param_to`). The rate limiter pops the oldest free event once
+        two are queued and the CPU blocks on it (`event.synchronize()`), whether or not this handle then
+        all-gathers.
+        """
+        g, s = self.g, self.s
+        local = self.local[u.name]
+        needs_unshard = self.sharded and self.unsharded[u.name] is None  # handle.needs_unshard()
+        offload = s.offload_params
+        if needs_unshard or not self.sharded or offload:
+            last = None
+            if offload:
+                host_copy = g.alloc(PRE_UNSHARD, f"{u.name} shard on the GPU", "temporaries" if self.sharded
+                                    else "unsharded_params", local * s.storage_bytes)
+                last = g.add("copy", PRE_UNSHARD, f"{u.name} shard H2D", comm_bytes=host_copy.nbytes, group=H2D)
+                self.mp_shards[u.name] = host_copy
+            if self.mixed_precision:
+                self.mp_shards[u.name] = g.alloc(PRE_UNSHARD, f"{u.name} _mp_shard", "temporaries" if self.sharded
+                                                 else "unsharded_params", local * s.param_bytes)
+                last = g.add("copy", PRE_UNSHARD, f"{u.name} cast shard to {s.param_dtype}",
+                             hbm_bytes=local * (s.storage_bytes + s.param_bytes))
+                if offload:
+                    g.free(PRE_UNSHARD, host_copy)
+            if last is not None:
+                g.wait_event(UNSHARD, last)  # unshard_stream.wait_stream(pre_unshard_stream)
+                self.unshard_stream_tail = last
+        if s.limit_all_gathers and len(self.free_event_queue) >= MAX_INFLIGHT_ALL_GATHERS:
+            g.synchronize(self.free_event_queue.popleft())
+        if needs_unshard:
+            out = self.unsharded[u.name] = g.alloc(UNSHARD, f"{u.name} unsharded flat param", "unsharded_params",
+                                                   local * s.shard_size * s.param_bytes)
+            self.unshard_stream_tail = g.add("all_gather", UNSHARD, f"{u.name} all-gather", group=SHARD_GROUP,
+                                             comm_bytes=out.nbytes)
+        if self.sharded and u.name in self.mp_shards:  # post_unshard: _free_low_precision_sharded_param
+            g.free(PRE_UNSHARD, self.mp_shards.pop(u.name), record_stream=UNSHARD)  # (or the dropped H2D copy)
+
+    def reshard(self, u: Unit, free: bool = True) -> None:
+        """`_reshard`: point the flat parameter at its shard and, if `free`, free the unsharded flat
+        parameter (recorded on the compute stream, `_free_unsharded_flat_param`); the rate limiter queues
+        an event recorded right after that free. `post_reshard` frees NO_SHARD's `_mp_shard`. The handle is
+        no longer prefetched."""
+        g = self.g
+        buf = self.unsharded[u.name]
+        if free and buf is not None:
+            g.free(UNSHARD, buf, record_stream=COMPUTE)
+            self.unsharded[u.name] = None
+            if self.s.limit_all_gathers:  # free_event.record() on the current stream
+                self.free_event_queue.append(self._last_compute_op())
+        if not self.sharded and u.name in self.mp_shards:
+            g.free(PRE_UNSHARD, self.mp_shards.pop(u.name), record_stream=COMPUTE)
+        self.prefetched.discard(u.name)
+
+    def prefetch(self, u: Unit, mode: str) -> None:
+        """`_prefetch_handle(BACKWARD)` in the training state `mode` (BACKWARD_PRE in the pre-backward
+        hook, BACKWARD_POST in the post-backward one): `_get_handle_to_prefetch` returns the unit before
+        this one in post-forward order (`backward_prefetch_limit = 1`) if the policy matches the state
+        and that unit still needs its pre-backward unshard and is not prefetched."""
+        if self.s.fsdp1_backward_prefetch != mode:
+            return
+        index = self.post_forward_index.get(u.name)
+        if not index:  # None, or the first unit in post-forward order: nothing before it
+            return
+        target = self.post_forward_order[index - 1]
+        if target.name in self.needs_pre_backward_unshard and target.name not in self.prefetched:
+            self._prefetch(target)
+
+    def _prefetch(self, target: Unit) -> None:
+        self.g.unit = target.name
+        self.unshard(target)
+        self.prefetched.add(target.name)
+
+    def _last_compute_op(self) -> Op | None:
+        """The last op queued on the compute stream (what `wait_stream(current_stream)` waits)."""
+        for op in reversed(self.g.ops):
+            if op.stream == COMPUTE:
+                return op
+        return None
+
+
+def build_fsdp1_step(workload: Workload, units: list[Unit], settings: FSDPSettings) -> OpGraph:
+    return FSDP1Runtime(workload, units, settings).build()
