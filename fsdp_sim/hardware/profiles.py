@@ -2,7 +2,8 @@
 
 The loader checks the keys exactly (an unknown or missing key is an error naming it) and that every
 figure is a positive number. Units live in the key names: bytes, bytes/s, FLOP/s, seconds. The node's
-links are a `fabric:` mapping (`fsdp_sim.hardware.fabric`); a scenario may override its NICs.
+links are a `fabric:` mapping (`fsdp_sim.hardware.fabric`); a scenario may override its NICs. An optional
+`host:` mapping is the GPU's link to host memory and the node's host memory (`fsdp_sim.hardware.host_link`).
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from fsdp_sim.datafile import read_data
 from fsdp_sim.dtypes import DTYPE_BYTES
 from fsdp_sim.errors import ScenarioError, show
 from fsdp_sim.hardware.fabric import Fabric, Network, parse_fabric
+from fsdp_sim.hardware.host_link import HostLink, parse_host
 
 REPO_PROFILES = Path(__file__).resolve().parents[2] / "hardware_profiles"
 _TOP_KEYS = {"name", "description", "arch", "sm_count", "memory_bytes", "hbm_bandwidth_Bps", "peak_flops",
              "matmul_efficiency", "gpus_per_node", "fabric", "cuda_context_bytes", "nccl_bytes"}
+_OPTIONAL_KEYS = {"host"}  # the host link and memory (hardware/host_link.py): only offload needs them
 _PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")  # a file stem in a profile folder
 _ARCH = re.compile(r"sm\d{2,3}|gfx\d{3,4}[a-z]?")  # CUDA compute capability (sm80, sm90, sm100) or AMD target (gfx942)
 
@@ -39,6 +42,7 @@ class GpuProfile:
     fabric: Fabric
     cuda_context_bytes: int
     nccl_bytes: int
+    host: HostLink | None = None
 
     def matmul_peak(self, dtype: str, allow_tf32: bool = False) -> float:
         """Dense peak FLOP/s of matmuls in `dtype`: fp32 ones run on TF32 tensor cores only when allowed
@@ -65,6 +69,14 @@ class Cluster:
     nodes: int
     gpus_per_node: int
     network: Network | None = None
+    host_memory_bytes: int | None = None  # per node: the scenario's hardware.host_memory_gb, else the profile's
+
+    @property
+    def host_capacity_bytes(self) -> int | None:
+        """Host memory of one node: the scenario's figure, else the profile's (None if it has none)."""
+        if self.host_memory_bytes is not None:
+            return self.host_memory_bytes
+        return self.gpu.host.memory_bytes if self.gpu.host is not None else None
 
     @property
     def world_size(self) -> int:
@@ -92,17 +104,17 @@ def _number(path: str, key: str, value, *, integer: bool = False) -> float:
     return int(value) if integer else float(value)
 
 
-def _check_keys(path: str, where: str, data, expected: set[str]) -> None:
+def _check_keys(path: str, where: str, data, expected: set[str], optional: set[str] = frozenset()) -> None:
     if not isinstance(data, dict):
         raise ScenarioError(f"{path}: {where} must be a mapping")
-    if unknown := sorted(set(data) - expected):
-        raise ScenarioError(f"{path}: unknown key {where}{unknown[0]!r}, expected {sorted(expected)}")
+    if unknown := sorted(set(data) - expected - optional):
+        raise ScenarioError(f"{path}: unknown key {where}{unknown[0]!r}, expected {sorted(expected | optional)}")
     if missing := sorted(expected - set(data)):
         raise ScenarioError(f"{path}: missing key {where}{missing[0]!r}")
 
 
 def parse_profile(data, path: str) -> GpuProfile:
-    _check_keys(path, "", data, _TOP_KEYS)
+    _check_keys(path, "", data, _TOP_KEYS, _OPTIONAL_KEYS)
     peaks = data["peak_flops"]
     if not isinstance(peaks, dict) or not peaks or not all(k in DTYPE_BYTES for k in peaks):
         raise ScenarioError(f"{path}: peak_flops must map dtypes ({', '.join(DTYPE_BYTES)}) to FLOP/s")
@@ -125,7 +137,8 @@ def parse_profile(data, path: str) -> GpuProfile:
         matmul_efficiency=float(eff),
         gpus_per_node=gpus_per_node, fabric=parse_fabric(data["fabric"], f"{path}: fabric", gpus_per_node),
         cuda_context_bytes=_number(path, "cuda_context_bytes", data["cuda_context_bytes"], integer=True),
-        nccl_bytes=_number(path, "nccl_bytes", data["nccl_bytes"], integer=True))
+        nccl_bytes=_number(path, "nccl_bytes", data["nccl_bytes"], integer=True),
+        host=parse_host(data["host"], f"{path}: host", gpus_per_node) if "host" in data else None)
 
 
 def _profile_dirs() -> list[Path]:

@@ -1,0 +1,60 @@
+"""Host memory of a node beside GPU memory, for a step that offloads (CPU offload, save_on_cpu).
+
+Every rank of a node keeps its own pinned shards on the node's one host memory, so the node needs the
+rank's peak (`schedule/offload.py` HostMemory: state + the larger of the offloaded activations and the
+CPU optimizer's temporaries) times the ranks it runs. Exact integers. Nothing here for a step that
+offloads nothing: its result has no `host` section.
+"""
+
+from __future__ import annotations
+
+from fsdp_sim.hardware.host_link import CPU, D2H, H2D
+
+
+def host_memory(result) -> dict:
+    """`{"host": {...}}` for `StepResult.to_dict()`, or {} when nothing was offloaded."""
+    host = result.graph.host
+    if host is None:
+        return {}
+    cluster = result.scenario.cluster
+    ranks = cluster.gpus_per_node
+    per_rank = host.peak_bytes
+    capacity = cluster.host_capacity_bytes
+    moved = {H2D: 0, D2H: 0}
+    cpu_s = compute_copies_s = 0.0
+    start, end = result.timing.start, result.timing.end
+    for op in result.graph.ops:
+        if op.group in moved:
+            moved[op.group] += int(op.comm_bytes)
+            if op.stream == "compute":  # save_on_cpu's copies hold the compute stream
+                compute_copies_s += float(end[op.id] - start[op.id])
+        elif op.group == CPU:
+            cpu_s += float(end[op.id] - start[op.id])
+    by_category = dict(sorted(host.persistent.items())) | {"activations": host.activations_peak,
+                                                           "optimizer_temporaries": host.optimizer_temp}
+    return {"host": {"link": cluster.gpu.host.link, "ranks_per_node": ranks,
+                     "per_rank_bytes": per_rank, "per_node_bytes": per_rank * ranks,
+                     "by_category_per_rank": {k: v for k, v in by_category.items() if v},
+                     "capacity_bytes": capacity, "fits": per_rank * ranks <= capacity,
+                     "h2d_bytes_per_rank": moved[H2D], "d2h_bytes_per_rank": moved[D2H],
+                     "cpu_s": cpu_s, "compute_stream_copies_s": compute_copies_s}}
+
+
+def host_lines(d: dict) -> list[str]:
+    """The summary's host lines (none without a `host` section)."""
+    from fsdp_sim.results.report import fmt_bytes, fmt_time  # report.py calls this function
+
+    h = d.get("host")
+    if h is None:
+        return []
+    verdict = "FITS" if h["fits"] else "DOES NOT FIT"
+    parts = ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for k, v in h["by_category_per_rank"].items())
+    return [
+        "",
+        f"Host memory (pinned) {fmt_bytes(h['per_node_bytes'])} per node = {h['ranks_per_node']} GPUs x "
+        f"{fmt_bytes(h['per_rank_bytes'])} per rank ({parts})",
+        f"  node has           {fmt_bytes(h['capacity_bytes'])}  -> {verdict}; over {h['link']} per rank: "
+        f"H2D {fmt_bytes(h['h2d_bytes_per_rank'])}, D2H {fmt_bytes(h['d2h_bytes_per_rank'])}",
+        f"  on the CPU         {fmt_time(h['cpu_s'])} (optimizer step, gradient adds); save_on_cpu copies on the "
+        f"compute stream {fmt_time(h['compute_stream_copies_s'])} (in memory-bound above)",
+    ]
