@@ -1,0 +1,96 @@
+"""Referee cases for frozen parameters and LoRA: the ReferenceTransformer prepared as peft would leave it.
+
+peft is not a dependency: `LoraLinear` is peft's `lora.Linear` forward written out
+(`result = base_layer(x); result = result + lora_B(lora_A(lora_dropout(x))) * scaling`, the dropout an
+`nn.Identity` at p = 0), and `prepare` does what `get_peft_model` does to the parameters: every
+parameter but the adapters' `requires_grad_(False)` (`mark_only_lora_as_trainable`, bias="none"),
+the frozen ones in the dtype the base model was loaded in. `LORA_CASES` pairs each tracker case with the
+scenario keys that describe the same model (`model.lora`, `model.frozen`, `model.frozen_dtype`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+from fsdp_sim.workload.lora import PEFT_NAMES
+
+_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_OURS = {v: k for k, v in PEFT_NAMES.items()}  # wq -> q_proj
+
+
+class LoraLinear(nn.Module):
+    """peft's `lora.Linear`: the base Linear, A (r x in) and B (out x r) beside it."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=base.weight.device)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=base.weight.device)
+        self.scaling = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = self.base_layer(x)
+        return result + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+
+def prepare(model: nn.Module, *, targets: tuple[str, ...] = (), rank: int = 8, alpha: float = 16.0,
+            dropout: float = 0.0, frozen: tuple[str, ...] = (), frozen_dtype: str = "bf16") -> None:
+    """Add adapters beside the block Linears `targets` names (peft's names or "all-linear") and freeze the
+    rest; or, without targets, freeze the parameters whose names start with one of `frozen`."""
+    for block in getattr(model, "layers", []):
+        for parent in (block.attention, block.feed_forward):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear) and ("all-linear" in targets or _OURS.get(name) in targets):
+                    setattr(parent, name, LoraLinear(child, rank, alpha, dropout))
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            full = next(n for n, p in model.named_parameters() if p is param)
+            if targets:
+                is_frozen = ".lora_" not in full
+            else:
+                is_frozen = any(full == f or full.startswith(f + ".") for f in frozen)
+            if is_frozen:
+                setattr(module, name, nn.Parameter(param.detach().to(_DTYPE[frozen_dtype]), requires_grad=False))
+
+
+def scenario_keys(*, targets=(), rank=8, alpha=16.0, dropout=0.0, frozen=(), frozen_dtype="bf16") -> dict:
+    """The `model` keys that describe what `prepare` did."""
+    keys: dict = {"frozen_dtype": frozen_dtype}
+    if targets:
+        keys["lora"] = {"rank": rank, "alpha": alpha, "targets": list(targets), "dropout": dropout}
+    else:
+        keys["frozen"] = list(frozen)
+    return keys
+
+
+SMALL = {"batch": 1, "seq": 32}
+# (id, model overrides, run settings, prepare's arguments); the peak gated at 2 %
+LORA_CASES = [
+    ("lora-qkvo", {}, {}, {"targets": ("q_proj", "k_proj", "v_proj", "o_proj"), "rank": 8}),
+    ("lora-all-linear", {}, {}, {"targets": ("all-linear",), "rank": 16}),
+    ("lora-all-linear-small-batch", {"vocab": 512}, SMALL, {"targets": ("all-linear",), "rank": 16}),
+    ("lora-qv-dropout", {}, {}, {"targets": ("q_proj", "v_proj"), "rank": 8, "dropout": 0.1}),
+    ("lora-qkvo-fp32-base-w8", {}, {"world_size": 8}, {"targets": ("q_proj", "k_proj", "v_proj", "o_proj"),
+                                                        "frozen_dtype": "fp32"}),
+    ("lora-all-linear-fp16-base-small-batch", {"vocab": 512}, SMALL,
+     {"targets": ("all-linear",), "frozen_dtype": "fp16"}),  # the bf16 policy casts the frozen fp16 base too
+    ("frozen-embedding", {}, {}, {"frozen": ("tok_embeddings",)}),
+    ("frozen-embedding-fp32", {}, {}, {"frozen": ("tok_embeddings",), "frozen_dtype": "fp32"}),
+    ("frozen-attention-small-batch", {"vocab": 512}, SMALL, {"frozen": ("tok_embeddings", "layers.0", "layers.1")}),
+]
+
+
+def run_case(model: dict, run: dict, prep: dict) -> tuple[dict, dict]:
+    """(fsdp-sim, FSDPMemTracker) on one case: `referee.simulate_reference`'s and `run_fsdp_mem_tracker`'s dicts."""
+    from fsdp_sim.torch_tools.memtracker import run_fsdp_mem_tracker
+    from fsdp_sim.torch_tools.reference_model import ReferenceConfig
+    from fsdp_sim.torch_tools.referee import BASE, case_settings, simulate_reference
+
+    cfg = ReferenceConfig(**(BASE | model))
+    settings = case_settings(run)
+    tracker = run_fsdp_mem_tracker(cfg, prepare_model=partial(prepare, **prep), **settings)
+    return simulate_reference(cfg, model_keys=scenario_keys(**prep), **settings), tracker

@@ -1,0 +1,168 @@
+"""Frozen parameters (`model.frozen`): `requires_grad_(False)` on the parameters a pattern names.
+
+A frozen parameter gets no gradient (so no unsharded or sharded gradient, no reduce-scatter, no optimizer
+state: the runtime keys all of these on `Param.trainable`) and is stored in its own dtype (nothing keeps an
+fp32 master copy of a parameter nothing updates). Its module's backward changes as autograd runs it:
+- a Linear whose weight needs no gradient runs no weight-gradient GEMM (`Kernel.weight_grad`), only the
+  input gradient; an embedding whose weight is frozen runs no backward kernel at all;
+- the derivative of `mm` saves its input only for the weight gradient (the generated autograd code guards
+  each `SavedVariable` with `should_compute_output`; checked under `saved_tensors_hooks`: a frozen
+  `nn.Linear` saves only its weight, which FSDP frees at reshard): a tensor only frozen Linears read is not
+  kept. In the transformer block (`transformer.block_activations`) those are attention_norm's output (read
+  by wq, wk, wv), ffn_norm's output (w1, w3) and w2's input; wo's input is SDPA's output, which SDPA keeps
+  itself (eager attention's (b, s, .) copy only wo keeps). A frozen head keeps no input.
+Patterns are `fnmatch` patterns over parameter names (`tok_embeddings.weight`, `layers.*.attention.wq.weight`)
+or module prefixes of them (`tok_embeddings`, `layers.*.attention`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from fnmatch import fnmatchcase
+
+from fsdp_sim.dtypes import itemsize
+from fsdp_sim.errors import ScenarioError, show
+from fsdp_sim.workload.model import Kernel, Module, Param, Workload
+
+FROZEN_DTYPES = ("bf16", "fp16", "fp32")
+QUANT_STATE_SUFFIX = ".weight.absmax"  # a 4-bit weight's block scales, stored beside it (`lora.py`)
+# tensors of a pre-norm block that only Linears' weight gradients keep: (readers, the attention kind the
+# rule needs or None) -> which `transformer.block_activations` line saved it
+_INPUT_GROUPS = ((("wq", "wk", "wv"), None), (("w1", "w3"), None), (("w2",), None), (("wo",), "attention_eager"))
+
+
+def matches(name: str, pattern: str) -> bool:
+    """A parameter name matches a pattern naming it, or naming a module it is inside."""
+    return fnmatchcase(name, pattern) or fnmatchcase(name, pattern + ".*")
+
+
+def freeze(wl: Workload, patterns: list[str], dtype: str, *, where: str = "model.frozen") -> Workload:
+    """`wl` with every parameter a pattern matches frozen and stored in `dtype`. A pattern that matches
+    nothing is refused, naming it."""
+    names = [p.name for p in wl.params]
+    for i, pattern in enumerate(patterns):
+        if not any(matches(n, pattern) for n in names):
+            example = names[min(1, len(names) - 1)] if names else "none"
+            raise ScenarioError(f"{where}[{i}]: {show(pattern)} matches no parameter of {show(wl.name)} "
+                                f"(names such as {example!r}; a module prefix such as 'tok_embeddings' also works)")
+    return freeze_where(wl, lambda p: any(matches(p.name, pat) for pat in patterns), dtype)
+
+
+def freeze_where(wl: Workload, is_frozen, dtype: str, reads_input: frozenset[str] = frozenset()) -> Workload:
+    """`wl` with the parameters `is_frozen(param)` names frozen and stored in `dtype` (non-floating storages
+    such as a packed 4-bit base keep theirs). `reads_input`: parameter-name prefixes of Linears whose input
+    a trainable adapter keeps (LoRA without dropout), so freezing their weight does not drop that input."""
+    def frozen(p: Param) -> Param:
+        if not is_frozen(p):
+            return p
+        return replace(p, trainable=False, dtype=dtype if p.dtype in FROZEN_DTYPES else p.dtype)
+
+    modules = tuple(replace(m, params=tuple(frozen(p) for p in m.params)) for m in wl.modules)
+    return without_frozen_gradients(replace(wl, modules=modules), reads_input)
+
+
+def without_frozen_gradients(wl: Workload, reads_input: frozenset[str] = frozenset()) -> Workload:
+    """The backward of every module as autograd runs it with the parameters' current `trainable` flags.
+
+    Walked in forward order: until the first trainable parameter no tensor requires grad (the inputs are
+    token ids), so those modules record no graph at all: nothing saved, no backward. The module that meets
+    the first trainable parameter gets an input without grad, so an unfused norm at its start keeps no
+    fp32 copy of it and no rstd (they serve only the input's gradient)."""
+    trainable = {p.name: p.trainable for p in wl.params}
+    p_act = itemsize(wl.activation_dtype)
+    unfused = wl.meta.get("norm_impl") in ("composite", "hf_llama")  # transformer.norm_saves
+    grad_flows = False
+    modules = []
+    for m in wl.modules:
+        names = [p.name for p in m.params] + list(m.tied_params)
+        any_trainable = any(trainable[n] for n in names)
+        if not grad_flows and not any_trainable:
+            modules.append(_inert(m))
+            continue
+        input_grad, grad_flows = grad_flows, True
+        if all(trainable[n] for n in names) and input_grad:
+            modules.append(m)
+            continue
+        needs_dw = {k.name: _weight_trainable(k.name, names, trainable)
+                    for k in m.kernels if k.kind in ("gemm", "norm_unfused")}
+        kernels = tuple(replace(k, weight_grad=needs_dw[k.name]) if k.kind == "gemm" else k for k in m.kernels)
+        dropped = sum(_norm_unkept(k, needs_dw[k.name], p_act, wl.meta["norm_impl"])
+                      for k in kernels if k.kind == "norm_unfused" and unfused)
+        if not input_grad and unfused and kernels and kernels[0].kind == "norm_unfused":
+            tok, hidden = kernels[0].shape
+            dropped += (tok * hidden * 4 if p_act != 4 else 0) + tok * 4  # the fp32 copy of the input, rstd
+        if m.is_block:
+            dropped += _unkept_inputs(m, needs_dw, reads_input, p_act)
+        m = replace(m, kernels=kernels, saved_bytes=max(0, m.saved_bytes - dropped))
+        adapter_reads = any(n.startswith(r) for r in reads_input for n in names)
+        if m.kind == "head" and not any(needs_dw.values()) and not adapter_reads:
+            m = replace(m, saves_input=False)
+        if m.kernels:
+            m = replace(m, bwd_flops=sum(k.bwd_flops for k in m.kernels))
+        modules.append(m)
+    model_flops = sum(m.fwd_flops + m.bwd_flops for m in modules)
+    return replace(wl, modules=tuple(modules), model_flops=float(model_flops))
+
+
+def _inert(m: Module) -> Module:
+    """A module that records no autograd graph: it saves nothing and runs no backward kernel."""
+    kernels = tuple(replace(k, weight_grad=False, input_grad=False, bwd_bytes=0.0, bwd_launches=0) for k in m.kernels)
+    return replace(m, kernels=kernels, saved_bytes=0, saves_input=False, bwd_temp_bytes=0, bwd_flops=0.0)
+
+
+def _norm_unkept(k: Kernel, weight_grad: bool, p: int, impl: str) -> int:
+    """An unfused RMSNorm whose weight is frozen keeps no normalized x: only `normalized * weight`'s weight
+    gradient reads it (fp32 in the composite kernel, the activation dtype in Hugging Face's)."""
+    if weight_grad:
+        return 0
+    tok, hidden = k.shape
+    return tok * hidden * (p if impl == "hf_llama" else 4)
+
+
+def _weight_trainable(kernel: str, names: list[str], trainable: dict[str, bool]) -> bool:
+    """Whether the layer a kernel runs has a trainable weight (`<...>.<kernel>.weight`, or the module's only
+    parameter for a one-Linear module such as the head); unknown weights count as trainable."""
+    weights = linear_weights(kernel, names) or (names if len(names) == 1 else [])
+    return any(trainable[n] for n in weights) if weights else True
+
+
+def linear_weights(kernel: str, names: list[str]) -> list[str]:
+    """The weight a kernel's layer owns: `<...>.<layer>.weight`, the layer named as the builders name a kernel
+    (`wq`) or as `fsdp-sim trace` does (`attention.wq: mm`)."""
+    layer = kernel.split(":")[0].strip()
+    return [n for n in names if n == f"{layer}.weight" or n.endswith(f".{layer}.weight")]
+
+
+def _unkept_inputs(m: Module, needs_dw: dict[str, bool], reads_input: frozenset[str], p: int) -> int:
+    """Bytes of the block's tensors that only frozen Linears read (see the module docstring); zero for a
+    block whose kernels are not `transformer.block_kernels`' layout."""
+    kinds = {k.kind for k in m.kernels}
+    gemms = {k.name: k for k in m.kernels if k.kind == "gemm"}
+    dropped = 0
+    for readers, needs_kind in _INPUT_GROUPS:
+        present = [r for r in readers if r in gemms]
+        if not present or (needs_kind is not None and needs_kind not in kinds):
+            continue
+        if any(needs_dw[r] or _adapter_reads(m, r, reads_input) for r in present):
+            continue
+        tok, _, fan_in = gemms[present[0]].shape
+        dropped += tok * fan_in * p
+    return dropped
+
+
+def _adapter_reads(m: Module, kernel: str, reads_input: frozenset[str]) -> bool:
+    return any(p.name.startswith(r) and r.endswith(f".{kernel}") for p in m.params for r in reads_input)
+
+
+def trainable_counts(wl: Workload) -> tuple[int, int]:
+    """(trainable, frozen) parameter counts, exact ints. A packed 4-bit weight (uint8) holds two weights per
+    byte, as peft's `print_trainable_parameters` counts a `Params4bit`; its block scales are not weights."""
+    trainable = frozen = 0
+    for p in wl.params:
+        if p.trainable:
+            trainable += p.numel
+        elif p.dtype == "uint8":
+            frozen += 0 if p.name.endswith(QUANT_STATE_SUFFIX) else 2 * p.numel
+        else:
+            frozen += p.numel
+    return trainable, frozen

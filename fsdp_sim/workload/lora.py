@@ -1,0 +1,203 @@
+"""LoRA and QLoRA (`model.lora`) as a transform of any workload: preset, Hugging Face config or traced.
+
+peft's structure (`peft/tuners/lora/layer.py`, `Linear.forward`): beside each target Linear sit
+`lora_A` (r x in) and `lora_B` (out x r), and the forward is
+`result = base_layer(x); result = result + lora_B(lora_A(dropout(x))) * scaling`. What that costs:
+- parameters: the adapters, trainable; every other parameter frozen (`mark_only_lora_as_trainable`,
+  bias="none"), stored in `base_dtype`;
+- kernels: two GEMMs per target (A's input gradient and both weight gradients in backward), the scale and
+  the out-of-place add; `lora_dropout > 0` adds a dropout kernel per target (each target has its own
+  `lora_dropout` module);
+- saved tensors: A's output (tok x r), which B keeps; with dropout, its output (which A keeps) and its bool
+  mask, per target. Without dropout (`nn.Identity`) A keeps the very input the base Linear read, so a frozen
+  base still keeps that tensor alive (`frozen.py`). B's output and its scaled copy are transients.
+QLoRA (`quantize: nf4`, Dettmers et al. 2023): every Linear of the blocks stored as bitsandbytes'
+`quantize_4bit` stores it (`bitsandbytes/functional.py`): packed 4-bit codes, (n + 1) // 2 uint8, and one
+absmax per block of 64; fp32 absmax (0.5 bit per weight), or with double quantization
+(`compress_statistics=True`, the paper's default) uint8 absmax quantized in blocks of 256 with one fp32 scale
+each, plus the fp32 mean subtracted first (8/64 + 32/(64 x 256) = 0.127 bit per weight, the paper's figure).
+Under FSDP2 the codes and scales are sharded and all-gathered as bytes (torchao's `NF4Tensor`, torchtune's
+QLoRA, all-gathers its quantized data and scalers through `fsdp_pre_all_gather`). Every matmul dequantizes
+the full weight to the compute dtype first, forward and backward (`bnb.matmul_4bit`'s `MatMul4Bit` saves
+the quantized weight, not the dequantized one): a weight-sized temporary and a memory-bound kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from fsdp_sim.dtypes import itemsize
+from fsdp_sim.errors import ScenarioError, show
+from fsdp_sim.workload.frozen import QUANT_STATE_SUFFIX, freeze_where, linear_weights
+from fsdp_sim.workload.kernels import elementwise, gemm
+from fsdp_sim.workload.model import Kernel, Module, Param, Workload
+
+# transformers' Llama / Mistral / Qwen module names -> the workload's (torchtitan's)
+PEFT_NAMES = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w1", "up_proj": "w3",
+              "down_proj": "w2"}
+NF4_BLOCKSIZE = 64  # bitsandbytes quantize_4bit's default blocksize (QLoRA paper, section 3)
+DOUBLE_QUANT_BLOCKSIZE = 256  # quantize_blockwise(absmax, blocksize=256) under compress_statistics
+FP32 = 4
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoraConfig:
+    """peft's `LoraConfig` fields that cost memory or time, and QLoRA's quantisation of the base."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    dropout: float = 0.0
+    quantize: str | None = None  # None | "nf4"
+    double_quant: bool = True
+    base_dtype: str = "bf16"
+
+
+def nf4_bytes(numel: int, double_quant: bool) -> tuple[int, int]:
+    """(packed codes, block scales) bytes of one weight of `numel` elements as quantize_4bit stores it."""
+    blocks = -(-numel // NF4_BLOCKSIZE)
+    if not double_quant:
+        return (numel + 1) // 2, FP32 * blocks
+    scales = blocks + FP32 * -(-blocks // DOUBLE_QUANT_BLOCKSIZE) + FP32  # uint8 absmax, fp32 state2.absmax, offset
+    return (numel + 1) // 2, scales
+
+
+def apply_lora(wl: Workload, cfg: LoraConfig, where: str = "model.lora") -> Workload:
+    """`wl` with peft's adapters beside every target Linear of its blocks, the rest frozen (QLoRA: quantized)."""
+    p = itemsize(wl.activation_dtype)
+    wanted = {PEFT_NAMES.get(t, t) for t in cfg.targets}
+    modules, hit, reads_input = [], set(), set()
+    for m in wl.modules:
+        if m.is_block:
+            m = _with_adapters(m, wanted, cfg, p, hit, reads_input)
+            if cfg.quantize:
+                m = _quantized(m, cfg, p)
+        modules.append(m)
+    if not hit:
+        example = sorted({name for m in wl.modules if m.is_block for name in _linears(m)})
+        raise ScenarioError(f"{where}.targets: {show(list(cfg.targets))} names no Linear of {show(wl.name)}'s blocks "
+                            f"(its Linears: {example or 'none'}; peft's names {sorted(PEFT_NAMES)} or 'all-linear')")
+    missing = sorted(wanted - hit - {"all-linear"})
+    if missing:
+        raise ScenarioError(f"{where}.targets: {missing} name no Linear of {show(wl.name)}'s blocks")
+    wl = replace(wl, modules=tuple(modules))
+    return freeze_where(wl, lambda q: ".lora_" not in q.name, cfg.base_dtype, frozenset(reads_input))
+
+
+def _linears(m: Module) -> dict[str, tuple[Kernel, Param]]:
+    """The block's Linears by their layer's last name (`wq`): each gemm kernel with the 2-D weight it runs."""
+    params = {q.name: q for q in m.params if len(q.shape) == 2 and ".lora_" not in q.name}
+    out = {}
+    for k in m.kernels:
+        weights = linear_weights(k.name, list(params)) if k.kind == "gemm" else []
+        if len(weights) == 1:
+            out[weights[0][:-len(".weight")].rsplit(".", 1)[-1]] = (k, params[weights[0]])
+    return out
+
+
+def _with_adapters(m: Module, wanted: set[str], cfg: LoraConfig, p: int, hit: set, reads_input: set) -> Module:
+    linears = _linears(m)
+    targets = set(linears) if "all-linear" in wanted else wanted & set(linears)
+    if not targets:
+        return m
+    hit.update(targets | ({"all-linear"} if "all-linear" in wanted else set()))
+    params, kernels = list(m.params), []
+    saved, temp = m.saved_bytes, m.fwd_temp_bytes
+    r = cfg.rank
+    by_kernel = {k.name: (name, weight) for name, (k, weight) in linears.items() if name in targets}
+    for k in m.kernels:
+        kernels.append(k)
+        if k.name not in by_kernel:
+            continue
+        name, weight = by_kernel[k.name]
+        tok, out, fan_in = k.shape
+        prefix = weight.name[:-len(".weight")]
+        params += [Param(f"{prefix}.lora_A.weight", (r, fan_in)), Param(f"{prefix}.lora_B.weight", (out, r))]
+        if cfg.dropout > 0:  # read x, write the output and a one-byte mask (native_dropout); the grad likewise
+            drop = 2 * tok * fan_in * p + tok * fan_in
+            kernels.append(elementwise(f"{name} lora_dropout", drop, drop, recompute=k.recompute))
+            saved += tok * fan_in * p + tok * fan_in  # dropout output (kept by lora_A) and its mask
+        else:
+            reads_input.add(prefix)
+        scale = 5 * tok * out * p  # `* scaling` reads B's output and writes a copy; the add reads two, writes one
+        kernels += [gemm(f"{name} lora_A", tok, r, fan_in, recompute=k.recompute),
+                    gemm(f"{name} lora_B", tok, out, r, recompute=k.recompute),
+                    elementwise(f"{name} lora scale + add", scale, 2 * tok * out * p, launches=2,
+                                recompute=k.recompute)]
+        saved += tok * r * p  # lora_A's output, kept by lora_B
+        temp = max(temp, 2 * tok * out * p)  # B's output and its scaled copy, before the add
+    return replace(m, params=tuple(params), kernels=tuple(kernels), saved_bytes=saved, fwd_temp_bytes=temp,
+                   fwd_flops=sum(k.fwd_flops for k in kernels), bwd_flops=sum(k.bwd_flops for k in kernels))
+
+
+def _quantized(m: Module, cfg: LoraConfig, p: int) -> Module:
+    """Every base Linear of the block (bitsandbytes replaces every nn.Linear but the head) as packed codes
+    and scales, with a dequantize kernel before each matmul and the dequantized weight as a transient."""
+    linears = _linears(m)
+    bases = {weight.name for _, weight in linears.values()}
+    params, largest = [], 0
+    for q in m.params:
+        if q.name not in bases:
+            params.append(q)
+            continue
+        packed, scales = nf4_bytes(q.numel, cfg.double_quant)
+        params += [Param(q.name, (packed, 1), "uint8", False),
+                   Param(q.name[:-len(".weight")] + QUANT_STATE_SUFFIX, (scales,), "uint8", False)]
+        largest = max(largest, q.numel * p)
+    kernels = []
+    by_kernel = {k.name: (name, weight) for name, (k, weight) in linears.items()}
+    for k in m.kernels:
+        if k.name in by_kernel:
+            name, weight = by_kernel[k.name]
+            packed, scales = nf4_bytes(weight.numel, cfg.double_quant)
+            traffic = packed + scales + weight.numel * p  # read codes and scales, write the weight
+            launches = 2 if cfg.double_quant else 1  # the absmax is dequantized first
+            kernels.append(elementwise(f"{name} dequantize nf4", traffic, traffic, launches=launches,
+                                       bwd_launches=launches, recompute=k.recompute))
+        kernels.append(k)
+    return replace(m, params=tuple(params), kernels=tuple(kernels), fwd_temp_bytes=max(m.fwd_temp_bytes, largest),
+                   bwd_temp_bytes=max(m.bwd_temp_bytes, largest))
+
+
+ADAPTATION_KEYS = ("frozen", "frozen_dtype", "lora")
+_LORA_KEYS = {"rank", "alpha", "targets", "dropout", "quantize", "double_quant"}
+
+
+def adapt_workload(wl: Workload, keys: dict, get) -> Workload:
+    """`model.frozen`, `model.frozen_dtype` and `model.lora` applied to a built workload; `get` is the
+    scenario's checked getter (`scenario._get`)."""
+    from fsdp_sim.datafile import reject_unknown_keys
+    from fsdp_sim.workload.frozen import FROZEN_DTYPES, freeze
+
+    dtype = get("model", keys, "frozen_dtype", str, "bf16", choices=FROZEN_DTYPES)
+    if "lora" in keys:
+        raw = keys["lora"]
+        if not isinstance(raw, dict):
+            raise ScenarioError(f"model.lora: expected a mapping (rank, alpha, targets, dropout, quantize), "
+                                f"got {show(raw)}")
+        reject_unknown_keys("model.lora", raw, _LORA_KEYS)
+        cfg = LoraConfig(rank=get("model.lora", raw, "rank", int, 8, positive=True, maximum=1 << 16),  # peft defaults
+                         alpha=get("model.lora", raw, "alpha", float, 8.0),
+                         targets=_names("model.lora.targets", raw.get("targets", ["q_proj", "v_proj"])),
+                         dropout=get("model.lora", raw, "dropout", float, 0.0),
+                         quantize=get("model.lora", raw, "quantize", str, None, choices=("nf4",)),
+                         double_quant=get("model.lora", raw, "double_quant", bool, True), base_dtype=dtype)
+        if not 0 <= cfg.dropout < 1:
+            raise ScenarioError(f"model.lora.dropout: expected a probability in [0, 1), got {cfg.dropout}")
+        if "double_quant" in raw and cfg.quantize is None:
+            raise ScenarioError("model.lora.double_quant: only with model.lora.quantize: nf4")
+        wl = apply_lora(wl, cfg)
+    if "frozen" in keys:
+        wl = freeze(wl, _names("model.frozen", keys["frozen"]), dtype)
+    elif "frozen_dtype" in keys and "lora" not in keys:
+        raise ScenarioError("model.frozen_dtype: only with model.frozen or model.lora "
+                            "(it is the frozen parameters' dtype)")
+    return wl
+
+
+def _names(where: str, value) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+        raise ScenarioError(f"{where}: expected a list of names (patterns), got {show(value)}")
+    return tuple(value)
