@@ -8,7 +8,7 @@ from conftest import run, scenario_dict
 
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.scenario import parse_scenario
-from fsdp_sim.schedule.optimizers import FOREACH_ELEMENTS_PER_LAUNCH, step_cost
+from fsdp_sim.schedule.optimizers import FOREACH_ELEMENTS_PER_LAUNCH, state_bytes, step_cost
 
 SHARDS = [1000, 4000, 250]
 
@@ -65,3 +65,49 @@ def test_sgd_momentum_is_one_state_and_without_none():
 def test_impossible_optimizer_settings_are_one_line(training, key):
     with pytest.raises(ScenarioError, match=key):
         parse_scenario({"model": "gpt2", "training": training, "hardware": {"profile": "h100-sxm"}})
+
+
+def test_adamw8bit_states_are_one_byte_codes_a_scale_per_256_and_a_map_each_from_4096_elements():
+    """torchao AdamW8bit: a shard of >= 4096 elements that 256 divides is quantized (codes, fp32 scales,
+    256-entry fp32 map, for each moment); any other keeps two fp32 `zeros_like` states."""
+    n = 4096 * 3
+    assert state_bytes("adamw8bit", True, [(n // 64, 64)], 4) == 2 * (n + n // 256 * 4 + 256 * 4)
+    assert state_bytes("adamw8bit", True, [(4000,), (4352 + 1,)], 4) == 2 * 4000 * 4 + 2 * 4353 * 4
+    assert state_bytes("adamw", True, [(n,)], 4) == 2 * n * 4
+
+
+def test_adafactor_factors_the_second_moment_of_matrices_and_keeps_a_vectors_whole():
+    """`_init_group`: row_var shape[:-1] + (1,), col_var shape[:-2] + (1, shape[-1]); a vector's variance."""
+    assert state_bytes("adafactor", True, [(1024, 512), (3, 8, 5), (777,)], 4) == 4 * (1024 + 512 + 24 + 15 + 777)
+
+
+def test_adamw8bit_step_reads_and_writes_sixteen_bytes_of_a_quantized_element():
+    c = step_cost("adamw8bit", "foreach", True, [8192, 1000])
+    assert (c.temp_bytes, c.traffic_bytes, c.launches) == (0, 16 * 8192 + 28 * 1000, 2)
+
+
+def test_the_simulated_adamw8bit_states_are_the_local_shards_layout():
+    data = scenario_dict({"hidden": 256, "layers": 2, "heads": 8, "vocab": 1000}, gpus_per_node=2,
+                         training={"micro_batch": 1, "seq_len": 16, "optimizer": "adamw8bit"})
+    sc, r = run(data)
+    shards = [(-(-p.shape[0] // 2), *p.shape[1:]) for p in sc.workload.params]
+    states = sum(b.nbytes for b in r.graph.persistent if b.category == "optimizer_states")
+    assert states == state_bytes("adamw8bit", True, shards, 4) < state_bytes("adamw", True, shards, 4) / 3
+
+
+def test_adafactor_is_refused_on_fsdp2_with_the_reason():
+    with pytest.raises(ScenarioError, match="training.optimizer: torch.optim.Adafactor does not run on FSDP2"):
+        parse_scenario({"model": "gpt2", "training": {"optimizer": "adafactor", "seq_len": 128},
+                        "hardware": {"profile": "h100-sxm"}})
+
+
+@pytest.mark.parametrize("case_id", ["adam-foreach-small-batch", "adamw-for-loop-small-batch", "adam-for-loop-small-batch",
+                                     "adamw-fused-small-batch", "sgd-no-momentum", "sgd-no-momentum-small-batch"])
+def test_optimizer_implementations_agree_with_fsdp_mem_tracker(case_id):
+    """torch.optim's foreach, for-loop and fused paths and SGD without momentum under FSDPMemTracker: the
+    step's peak and the overall peak within 2 %."""
+    pytest.importorskip("torch")
+    from fsdp_sim.torch_tools.technique_referee import relative_errors
+
+    errors = relative_errors(case_id)
+    assert set(errors) == {"peak_bytes", "optimizer_peak_bytes"} and all(abs(e) <= 0.02 for e in errors.values()), errors

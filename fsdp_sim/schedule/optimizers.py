@@ -15,13 +15,34 @@ kernel launches, for the three implementations `torch.optim` has:
 - fused (`fused=True`, `_fused_adam(w)`): one kernel reads param, grad, exp_avg, exp_avg_sq and writes
   the three back (28 B per element), no temporaries. torch has fused SGD too, but FSDP2's sharded
   DTensor parameters cannot take it (issue 8's check), so it is refused.
+
+Two optimizers keep other states than fp32 copies of the parameter (`state_bytes`):
+- `adamw8bit`: torchao's `AdamW8bit` (`torchao/optim/adam.py`, `subclass_8bit.py`), the 8-bit Adam that
+  runs on FSDP2 (it builds its states from `p.to_local()` and wraps them back in DTensors;
+  bitsandbytes' `AdamW8bit` sizes them from the DTensor's global numel and fails there, bitsandbytes
+  issue #1633). Each moment of a local shard with >= 4096 elements that 256 divides ("follow
+  bitsandbytes, only quantize tensors >= 4096 values") is `OptimState8bit`: uint8 codes (1 B per
+  element), one fp32 scale per block of 256, and its own 256-entry fp32 quantization map; any other
+  shard keeps two `zeros_like` states. Each parameter is stepped by its own compiled `single_param_adam`
+  (one graph: dequantize, both lerps, requantize, update), counted as one launch with no temporaries,
+  reading p, g, both codes and writing p and both codes (16 B per element).
+- `adafactor`: `torch.optim.Adafactor` keeps, for a parameter of >= 2 dimensions, a row factor
+  `shape[:-1] + (1,)` and a column factor `shape[:-2] + (1, shape[-1])` of the second moment, and a full
+  `variance` for a vector (`_adafactor.py:_init_group`). On FSDP2 it does not run: its `norm(dim=-2)`
+  of a Shard(0) gradient is a `_NormPartial` DTensor and the in-place `square_()` on it raises ("in-place
+  operations that require placement changes are not supported"; under fake tensors `.item()` fails
+  first), so the scenario refuses it there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-OPTIMIZERS = ("adamw", "adam", "sgd")
+import math
+
+from fsdp_sim.errors import ScenarioError
+
+OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit", "adafactor")
 IMPLEMENTATIONS = ("foreach", "for_loop", "fused")
 # multi_tensor_apply: one launch covers at most depth_to_max_blocks chunks of kChunkSize elements:
 # 2240 x 65536 in CUDA >= 13 builds (320 before), torch 2.13's ATen/native/cuda/MultiTensorApply.cuh
@@ -34,6 +55,10 @@ _PASSES = {
     "sgd_plain": (12,),
 }
 FUSED_ADAM_BYTES = 4 * (4 + 3)  # read p, g, m, v; write p, m, v (fp32)
+# torchao AdamW8bit: block_size=256, quantized only at >= 4096 elements (`_AdamBase._new_buffer`); the
+# dynamic quantization map is a 256-entry fp32 table per state tensor (`OptimState8bit.zeros`)
+BLOCK_8BIT, MIN_8BIT_NUMEL, QMAP_BYTES = 256, 4096, 256 * 4
+ADAM_8BIT_BYTES = 4 + 4 + 2 + 4 + 2  # read p, g (fp32), both codes; write p, both codes
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,13 +70,37 @@ class StepCost:
 
 
 def states_per_param(optimizer: str, momentum: bool) -> int:
+    """fp32 (parameter-dtype) state tensors per parameter; the optimizers whose states are not copies of
+    the parameter (`state_bytes`) are refused by a runtime that asks this."""
+    if optimizer not in ("adamw", "adam", "sgd"):
+        raise ScenarioError(f"training.optimizer: {optimizer}'s states are not modelled in this runtime yet "
+                            "(adamw8bit: FSDP2 only)")
     return {"adamw": 2, "adam": 2, "sgd": 1 if momentum else 0}[optimizer]
+
+
+def state_bytes(optimizer: str, momentum: bool, shapes: list[tuple[int, ...]], itemsize: int) -> int:
+    """Bytes of optimizer state over local tensors of `shapes` stored `itemsize` bytes an element."""
+    if optimizer == "adamw8bit":
+        total = 0
+        for shape in shapes:
+            n = math.prod(shape)
+            quantized = n >= MIN_8BIT_NUMEL and n % BLOCK_8BIT == 0
+            total += 2 * (n + n // BLOCK_8BIT * 4 + QMAP_BYTES if quantized else n * itemsize)
+        return total
+    if optimizer == "adafactor":
+        return sum((math.prod(s[:-1]) + math.prod(s[:-2]) * s[-1] if len(s) >= 2 else math.prod(s)) * itemsize
+                   for s in shapes)
+    return states_per_param(optimizer, momentum) * sum(math.prod(s) for s in shapes) * itemsize
 
 
 def step_cost(optimizer: str, impl: str, momentum: bool, shards: list[int]) -> StepCost:
     """The step over parameters whose local fp32 shards have `shards` elements each (fused Adam(W) only:
     the scenario refuses fused SGD)."""
     numel, largest = sum(shards), max(shards, default=0)
+    if optimizer == "adamw8bit":
+        quantized = sum(n for n in shards if n >= MIN_8BIT_NUMEL and n % BLOCK_8BIT == 0)
+        traffic = ADAM_8BIT_BYTES * quantized + FUSED_ADAM_BYTES * (numel - quantized)
+        return StepCost(2, 0, traffic, len(shards))
     states = states_per_param(optimizer, momentum)
     if impl == "fused":
         chunks = max(1, -(-numel // FOREACH_ELEMENTS_PER_LAUNCH))
@@ -63,3 +112,10 @@ def step_cost(optimizer: str, impl: str, momentum: bool, shards: list[int]) -> S
         launches = len(passes) * max(1, -(-numel // FOREACH_ELEMENTS_PER_LAUNCH))
         return StepCost(states, 4 * numel if adam else 0, traffic, launches)
     return StepCost(states, 2 * 4 * largest if adam else 0, traffic, len(passes) * len(shards))
+
+
+def check_optimizer(optimizer: str, version: int) -> None:
+    """Refuse an optimizer that does not run on the runtime (see the module docstring)."""
+    if optimizer == "adafactor" and version == 2:
+        raise ScenarioError("training.optimizer: torch.optim.Adafactor does not run on FSDP2's DTensor parameters "
+                            "(in-place square_() on the _NormPartial norm of a sharded gradient raises)")
