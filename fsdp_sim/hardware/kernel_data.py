@@ -45,6 +45,10 @@ ALIGN_BYTES = 128
 # 0.11 s = 19.5 TFLOPS, 100 % of the fp32 (non-tensor-core) peak [C6].
 TF32_EFFICIENCY = {"sm80": 134.0 / 156.0, "sm90": 401.6 / 494.7}
 FP32_EFFICIENCY = 1.0
+# Fraction of the fp8 (e4m3) dense peak the best-shaped `torch._scaled_mm` reaches (MAMF): H100 SXM 1,402.6 of
+# 1,979 TFLOPS, H200 1,453.4 (the same sm90 part: H100's figure), B200 3,432 of 4,500 [S7] (component-timing 1.1,
+# hardware.md 2); an fp8 GEMM's shape then counts as a bf16 one's
+FP8_EFFICIENCY = {"sm90": 1402.6 / 1978.9, "sm100": 3432.0 / 4500.0}
 
 # ---- attention ---------------------------------------------------------------------------------------
 # TFLOPS by sequence length (512, 1k, 2k, 4k, 8k, 16k), FLOPs counted as flash-attention's benchmark counts

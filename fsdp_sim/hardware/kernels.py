@@ -100,11 +100,13 @@ def gemm_rate(gpu, dtype: str, allow_tf32: bool) -> float:
         if allow_tf32 and "tf32" in gpu.peak_flops:
             return gpu.peak_flops["tf32"] * kd.TF32_EFFICIENCY.get(gpu.arch, gpu.matmul_efficiency)
         return gpu.peak_flops["fp32"] * kd.FP32_EFFICIENCY
+    if dtype == "fp8":  # torchao Float8Linear's torch._scaled_mm (the profile's efficiency is bf16's)
+        return gpu.flops("fp8") * kd.FP8_EFFICIENCY.get(gpu.arch, gpu.matmul_efficiency)
     return gpu.flops(dtype) * gpu.matmul_efficiency
 
 
 def gemm_time(gpu, m: int, n: int, k: int, dtype: str, allow_tf32: bool = False) -> float:
-    itemsize = 4 if dtype == "fp32" else 2
+    itemsize = {"fp32": 4, "fp8": 1}.get(dtype, 2)
     return 2.0 * m * n * k / (gemm_rate(gpu, dtype, allow_tf32) * gemm_shape_factor(m, n, k, gpu.sm_count, itemsize))
 
 
@@ -197,11 +199,12 @@ def kernels_time(gpu, kernels: tuple[Kernel, ...], pass_: str, dtype: str, optio
             continue
         if k.kind == "gemm":
             m, n, kk = k.shape
-            t = gemm_time(gpu, m, n, kk, dtype, options.allow_tf32)
+            gemm_dtype = k.dtype or dtype  # a float8 Linear's GEMMs run in fp8 (workload/float8.py)
+            t = gemm_time(gpu, m, n, kk, gemm_dtype, options.allow_tf32)
             if backward:  # input gradient (m, k, n), when the input needs one, and weight gradient (n, k, m)
-                t = gemm_time(gpu, n, kk, m, dtype, options.allow_tf32)
+                t = gemm_time(gpu, n, kk, m, gemm_dtype, options.allow_tf32) if k.weight_grad else 0.0
                 if k.input_grad:
-                    t += gemm_time(gpu, m, kk, n, dtype, options.allow_tf32)
+                    t += gemm_time(gpu, m, kk, n, gemm_dtype, options.allow_tf32)
             out.matmul += t
             out.launches += k.bwd_launches if backward else k.launches
         elif k.kind in ("attention", "attention_eager"):

@@ -1,0 +1,137 @@
+"""Tensor parallel's collectives inside each module's compute, and the 2-D mesh's process groups.
+
+A TP plan (torchtitan's `apply_tp`, see `workload/tensor_parallel.py`) joins the shards with Megatron's two
+conjugate operators, which DTensor runs as redistributes:
+- before a colwise Linear (wq, w1, the output head), `PrepareModuleInput` / `ColwiseParallel`'s input:
+  with sequence parallel Shard(1) -> Replicate, an all-gather in forward and (its backward, the Partial
+  input gradient -> Shard(1)) a reduce-scatter in backward; without it the input is already Replicate, so
+  nothing in forward and an all-reduce of the Partial input gradient in backward (`_FromTorchTensor` /
+  `Redistribute` backward, torch 2.13 `distributed/tensor/_api.py` / `_redistribute.py`);
+- after a rowwise Linear (wo, w2, the embedding lookup), `RowwiseParallel`'s output Partial -> Shard(1) (a
+  reduce-scatter; its backward an all-gather) or -> Replicate (an all-reduce; backward nothing).
+Loss parallel (`loss_parallel`, torch `distributed/tensor/parallel/loss.py`) all-reduces three fp32
+per-token values in forward (the max and the sum of exponentials in `_log_softmax`, the target logit in
+`_nll_loss_forward`); its backward is local.
+
+Each is a functional collective that the DTensor op waits for inline (`wait_tensor` before the next op), so
+on the compute stream it blocks the module's kernels: the module's compute op is split around it, and the
+collective runs on the `tp` process group's lane (NVLink inside the node).
+"""
+
+from __future__ import annotations
+
+from fsdp_sim.hardware.collectives import ProcessGroup
+from fsdp_sim.schedule.settings import post_forward_group
+from fsdp_sim.workload.model import Kernel
+
+TP_GROUP = "tp"  # the TP mesh dimension's process group
+COLWISE_FIRST = ("wq", "w1", "output")  # the first colwise Linear reading a redistributed input
+ROWWISE = ("wo", "w2", "embedding lookup")  # a rowwise op whose Partial output is redistributed
+LOSS_KERNEL = "log_softmax + nll_loss"
+LOSS_PARALLEL_ALL_REDUCES = 3  # max, sum of exp (`_log_softmax`), the target logit (`_nll_loss_forward`)
+
+
+def conjugates(sequence_parallel: bool) -> dict[str, tuple[str | None, str | None]]:
+    """(forward, backward) collective before a colwise Linear ("f") and after a rowwise one ("g")."""
+    if sequence_parallel:
+        return {"f": ("all_gather", "reduce_scatter"), "g": ("reduce_scatter", "all_gather")}
+    return {"f": (None, "all_reduce"), "g": ("all_reduce", None)}
+
+
+class TensorParallelCompute:
+    """Mixin of a runtime (`AutogradStep`): `module_compute` emits a module's compute op, split around the TP
+    collectives when `settings.tp > 1`. Needs `self.g`, `self.s` (FSDPSettings) and `self.wl`."""
+
+    def module_compute(self, stream: str, name: str, kernels: tuple[Kernel, ...], kernel_pass: str, **work) -> None:
+        """The compute op `name` of a module's `kernels` run as `kernel_pass`; `work`: `OpGraph.add`'s
+        flops, hbm_bytes and measured_s (a measured module is not split: its collectives are unknown)."""
+        g, s = self.g, self.s
+        items = self._tp_items(kernels, kernel_pass) if s.tp > 1 and kernels and work.get("measured_s") is None else None
+        if not items:
+            g.add("compute", stream, name, kernels=kernels, kernel_pass=kernel_pass, **work)
+            return
+        run: list[Kernel] = []
+        part = 0
+
+        def flush() -> None:
+            nonlocal part
+            if run:
+                part += 1
+                segment = self._tp_segment(tuple(run))
+                flops = sum(k.bwd_flops if kernel_pass == "backward" else k.fwd_flops for k in segment)
+                g.add("compute", stream, f"{name} ({part})", flops=flops, kernels=segment, kernel_pass=kernel_pass)
+                run.clear()
+
+        for item in items:
+            if isinstance(item, Kernel):
+                run.append(item)
+                continue
+            flush()
+            kind, nbytes = item
+            g.add(kind, stream, f"{name} TP {kind.replace('_', '-')}", group=TP_GROUP, comm_bytes=nbytes)
+        flush()
+
+    def _tp_segment(self, kernels: tuple[Kernel, ...]) -> tuple[Kernel, ...]:
+        """One tuple object per distinct segment: op pricing caches by the kernels' identity."""
+        cache = self.__dict__.setdefault("_tp_segments", {})
+        return cache.setdefault(kernels, kernels)
+
+    def _tp_items(self, kernels: tuple[Kernel, ...], kernel_pass: str) -> list:
+        """The module's kernels in execution order with (kind, bytes) collectives between them."""
+        s = self.s
+        ops = conjugates(s.sequence_parallel)
+        hidden_bytes = self.wl.tokens * self.wl.meta["hidden"] * s.param_bytes  # the (b, s, h) activation
+        backward = kernel_pass == "backward"
+        items: list = []
+        for k in (kernels[::-1] if backward else kernels):
+            if kernel_pass == "recompute" and not k.recompute:
+                continue  # early stop: nothing after the last saved tensor re-runs, its collectives neither
+            before = after = None
+            if k.name in COLWISE_FIRST:
+                before = ops["f"]
+            elif k.name in ROWWISE:
+                after = ops["g"]
+            # backward runs the kernels in reverse: a forward "before" collective's dual comes after
+            if backward:
+                before, after = after, before
+            pick = 1 if backward else 0
+            if before and before[pick]:
+                items.append((before[pick], hidden_bytes))
+            items.append(k)
+            if after and after[pick]:
+                items.append((after[pick], hidden_bytes))
+            if k.name == LOSS_KERNEL and not backward:
+                items += [("all_reduce", self.wl.tokens * 4)] * LOSS_PARALLEL_ALL_REDUCES
+        return items
+
+
+def dp_process_groups(tp: int, shard_size: int, replicate_size: int, nodes: int, gpus_per_node: int,
+                      consecutive: dict[str, int] | None = None) -> dict[str, ProcessGroup]:
+    """The process groups of a (replicate, shard, tp) mesh laid out node-major with TP innermost, as
+    torchtitan's `ParallelDims` builds it (`init_device_mesh` makes the last dimension consecutive ranks).
+
+    A node holds gpus_per_node / tp ranks of each DP group, so a shard group of s ranks spans
+    ceil(s / that) nodes; a replicate group's ranks are one per node once a shard group fills its node's
+    share. hpZ's post-forward groups are consecutive DP ranks, laid out like a shard group."""
+    per_node = gpus_per_node // tp
+    groups = {"shard": ProcessGroup(shard_size, -(-shard_size // per_node)),
+              "replicate": ProcessGroup(replicate_size, replicate_size if shard_size >= per_node else nodes),
+              TP_GROUP: ProcessGroup(tp, 1)}
+    return groups | {name: ProcessGroup(k, -(-k // per_node)) for name, k in (consecutive or {}).items()}
+
+
+def tp_ring_factor(tp: int, sequence_parallel: bool) -> float:
+    """Bytes a rank moves per byte of a TP collective: ring all-gather / reduce-scatter (k-1)/k with sequence
+    parallel, all-reduce 2(k-1)/k without (nccl-tests' bus factors; the loss's tiny all-reduces aside)."""
+    return (tp - 1) / tp * (1 if sequence_parallel else 2)
+
+
+def tp_pricing(s, cluster) -> dict:
+    """`OpCosts`' keyword arguments for a TP mesh: its process groups and the TP group's ring factor
+    (nothing without TP: the 1-D layout stands)."""
+    if s.tp == 1:
+        return {}
+    consecutive = {post_forward_group(k): k for k in s.post_forward_sizes}
+    return {"groups": dp_process_groups(s.tp, s.shard_size, s.replicate_size, cluster.nodes, cluster.gpus_per_node,
+                                        consecutive),
+            "ring_factors": {TP_GROUP: tp_ring_factor(s.tp, s.sequence_parallel)}}

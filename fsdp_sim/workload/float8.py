@@ -1,0 +1,106 @@
+"""torchao float8 training (`convert_to_float8_training`, tensorwise dynamic scaling) as torchtitan applies it.
+
+Which Linears: torchtitan swaps every `nn.Linear` for `Float8Linear` except those its `filter_fqns` names
+(default `["output"]`: the LM head stays bf16) and those whose in and out features are not multiples of 16
+(`torch._scaled_mm`'s alignment; torchtitan's filter skips them). Embeddings and norms stay bf16.
+
+What a Float8Linear runs (torchao `float8/float8_linear.py`, `matmul_with_hp_or_float8_args`):
+- its three GEMMs (output, input gradient, weight gradient) in `torch._scaled_mm`, at the fp8 rate;
+- dynamic scaling casts, memory-bound kernels (`hp_tensor_to_float8_dynamic`: an amax reduction that reads
+  the tensor, then a scale-and-cast that reads it again and writes one byte per element): forward the input,
+  and the weight unless FSDP all-gathered it in float8 already (`tensor_already_casted_to_fp8`); backward
+  the output gradient, the input again and the weight again (it saved them in high precision), and the
+  transposed copies `_scaled_mm` needs (the second operand column-major: the weight for the input gradient,
+  the output gradient and the input for the weight gradient; one byte read and written each);
+- what it saves for backward: `ctx.save_for_backward(input_hp, weight_hp_t)`, the high-precision input (what
+  a bf16 Linear saves anyway) and the weight as it arrived (the unsharded parameter, in float8 when FSDP
+  all-gathered it so): no activation bytes beyond a bf16 Linear's; the fp8 copies are temporaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from fsdp_sim.datafile import reject_unknown_keys
+from fsdp_sim.errors import ScenarioError
+from fsdp_sim.workload.model import Kernel, Workload
+
+FILTER_FQNS = ("output",)  # torchtitan's default `float8.filter_fqns`: the LM head is not converted
+SCALED_MM_ALIGN = 16  # in and out features must be multiples of 16 for torch._scaled_mm
+AMAX_AND_CAST_BYTES = 2 + 2 + 1  # per element of a bf16 tensor: amax reads 2, scale-and-cast reads 2, writes 1
+TRANSPOSE_BYTES = 1 + 1  # per element of an fp8 tensor made column-major: read 1, write 1
+CAST_LAUNCHES = 2  # amax (abs + max reduction, fused) and the scale-and-cast kernel, eager
+
+
+@dataclass(frozen=True, slots=True)
+class Float8:
+    """`compute.float8`: enabled, `enable_fsdp_float8_all_gather`, `precompute_float8_dynamic_scale_for_fsdp`."""
+
+    enabled: bool = False
+    fsdp_float8_all_gather: bool = False
+    precompute_scale: bool = False
+
+
+def parse_float8(raw, gpu, reshard_after_forward: bool | int = True) -> Float8:
+    """`compute.float8`: refused on a GPU without fp8 tensor cores (torch._scaled_mm needs sm89 or later), and
+    the float8 all-gather beside an hpZ `reshard_after_forward` (its post-forward copies are not modelled in fp8)."""
+    from fsdp_sim.scenario import _expect, _get  # the scenario's checked getters (here: scenario.py imports us)
+
+    raw = _expect("compute.float8", raw)
+    reject_unknown_keys("compute.float8", raw, {"enabled", "fsdp_float8_all_gather", "precompute_scale"})
+    f8 = Float8(enabled=_get("compute.float8", raw, "enabled", bool, bool(raw)),
+                fsdp_float8_all_gather=_get("compute.float8", raw, "fsdp_float8_all_gather", bool, False),
+                precompute_scale=_get("compute.float8", raw, "precompute_scale", bool, False))
+    if not f8.enabled:
+        return Float8()
+    if "fp8" not in gpu.peak_flops:
+        raise ScenarioError(f"compute.float8.enabled: {gpu.name} has no fp8 tensor cores (torch._scaled_mm needs "
+                            "compute capability 8.9 or later: Ada, Hopper, Blackwell)")
+    if f8.precompute_scale and not f8.fsdp_float8_all_gather:
+        raise ScenarioError("compute.float8.precompute_scale: needs fsdp_float8_all_gather: true (it precomputes "
+                            "the scales FSDP's float8 all-gather casts with)")
+    if f8.fsdp_float8_all_gather and not isinstance(reshard_after_forward, bool):
+        raise ScenarioError("compute.float8.fsdp_float8_all_gather: not modelled with fsdp.reshard_after_forward "
+                            f"as a group size ({reshard_after_forward}); use true or false")
+    return f8
+
+
+def _converted(k: Kernel) -> bool:
+    if k.kind != "gemm" or k.name in FILTER_FQNS:
+        return False
+    _, n, kk = k.shape
+    return n % SCALED_MM_ALIGN == 0 and kk % SCALED_MM_ALIGN == 0
+
+
+def _float8_linear(k: Kernel, weight_cast: bool) -> tuple[Kernel, Kernel]:
+    """A Float8Linear's casts (one memory-bound kernel, forward and backward traffic) and its fp8 GEMM."""
+    m, n, kk = k.shape
+    weight = n * kk * AMAX_AND_CAST_BYTES if weight_cast else 0
+    fwd = m * kk * AMAX_AND_CAST_BYTES + weight
+    bwd = (m * n + m * kk) * AMAX_AND_CAST_BYTES + weight + (n * kk + m * n + m * kk) * TRANSPOSE_BYTES
+    casts = Kernel(f"float8 casts ({k.name})", "elementwise", bytes=fwd, bwd_bytes=bwd,
+                   launches=CAST_LAUNCHES * (1 + weight_cast), bwd_launches=CAST_LAUNCHES * (3 + weight_cast) + 3,
+                   recompute=k.recompute)
+    return casts, replace(k, dtype="fp8")
+
+
+def float8_workload(wl: Workload, f8: Float8) -> tuple[Workload, frozenset[str]]:
+    """The workload with its eligible Linears as Float8Linears, and the names of their weights."""
+    if not f8.enabled:
+        return wl, frozenset()
+    weight_cast = not f8.fsdp_float8_all_gather
+    converted: dict[int, tuple[Kernel, ...]] = {}  # one tuple per distinct kernel list: op pricing caches by it
+    weights: set[str] = set()
+    modules = []
+    for m in wl.modules:
+        names = {k.name for k in m.kernels if _converted(k)}
+        if names:
+            if id(m.kernels) not in converted:
+                out: list[Kernel] = []
+                for k in m.kernels:
+                    out += _float8_linear(k, weight_cast) if _converted(k) else (k,)
+                converted[id(m.kernels)] = tuple(out)
+            weights |= {p.name for p in m.params if p.name.endswith(".weight") and p.name.split(".")[-2] in names}
+            m = replace(m, kernels=converted[id(m.kernels)])
+        modules.append(m)
+    return replace(wl, modules=tuple(modules), meta=wl.meta | {"float8_linears": len(weights)}), frozenset(weights)
