@@ -1,0 +1,104 @@
+"""One GPU without FSDP (`fsdp.version: none`): plain PyTorch training under autocast."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp_sim.errors import ScenarioError
+from fsdp_sim.scenario import parse_scenario
+from fsdp_sim.schedule.ops import COLLECTIVES
+from fsdp_sim.schedule.plain import autocast_params
+from fsdp_sim.simulate import simulate
+
+MODEL = {"hidden": 256, "layers": 2, "heads": 4, "vocab": 1000, "ffn_hidden": 512}
+
+
+def _scenario(fsdp=None, training=None, gpus=1):
+    return parse_scenario({"model": MODEL, "training": {"micro_batch": 2, "seq_len": 64} | (training or {}),
+                           "hardware": {"profile": "h100-sxm", "gpus_per_node": gpus},
+                           "fsdp": {"version": "none"} if fsdp is None else fsdp})
+
+
+def test_plain_step_has_no_collectives_and_no_nccl():
+    result = simulate(_scenario())
+    assert not [op for op in result.graph.ops if op.kind in COLLECTIVES]
+    summary = result.to_dict()
+    assert summary["memory"]["overheads_bytes"]["nccl"] == 0
+    assert summary["communication"]["total_s"] == 0
+
+
+def test_persistent_state_is_whole_fp32_params_and_two_adam_states():
+    sc = _scenario()
+    result = simulate(sc)
+    numel = sc.workload.numel
+    persistent = {}
+    for buf in result.graph.persistent:
+        persistent[buf.category] = persistent.get(buf.category, 0) + buf.nbytes
+    assert persistent == {"sharded_params": 4 * numel, "optimizer_states": 2 * 4 * numel}
+
+
+def test_autocast_copies_live_from_forward_to_their_backward():
+    """At the end of the forward every GEMM weight (and bias) has its bf16 copy alive, and nothing else
+    of the parameters: embeddings and norms are used in fp32."""
+    sc = _scenario()
+    result = simulate(sc)
+    ops = result.graph.ops
+    last_forward = max(op.id for op in ops if op.phase == "forward")
+    live = {}
+    for op in ops[: last_forward + 1]:
+        if op.buffer is not None and op.buffer.category == "unsharded_params" and op.kind in ("alloc", "free"):
+            live[op.buffer.id] = op.buffer.nbytes if op.kind == "alloc" else 0
+    by_name = {p.name: p for p in sc.workload.params}
+    expected = sum(2 * p.numel for m in sc.workload.modules for p in autocast_params(m, by_name, sc.settings))
+    assert sum(live.values()) == expected
+    assert 0 < expected < 2 * sc.workload.numel  # the embedding and norms are not cast
+
+
+def test_fp32_grads_are_made_once_and_live_until_zero_grad():
+    """`.grad` in the parameter's fp32, one per trainable parameter, made in the first micro-batch's
+    backward and added into by the next, freed after the optimizer step."""
+    sc = _scenario(training={"grad_accumulation": 3})
+    ops = simulate(sc).graph.ops
+    grads = [op for op in ops if op.buffer is not None and op.buffer.category == "sharded_grads"]
+    made = [op for op in grads if op.kind == "alloc"]
+    assert sum(op.buffer.nbytes for op in made) == 4 * sc.workload.numel
+    assert {op.phase for op in made} == {"backward #1"}
+    assert {op.phase for op in grads if op.kind == "free"} == {"optimizer"}
+
+
+def test_pure_fp32_has_no_autocast_copies():
+    sc = _scenario(fsdp={"version": "none", "mixed_precision": {"param_dtype": "fp32"}})
+    result = simulate(sc)
+    assert not [b for b in result.graph.buffers if b.category == "unsharded_params"]
+
+
+def test_plain_is_cheaper_than_fsdp2_on_one_gpu():
+    """FSDP2 on one rank still all-gathers (a copy) and holds NCCL buffers; plain training does neither."""
+    plain = simulate(_scenario()).to_dict()["memory"]
+    fsdp2 = simulate(_scenario(fsdp={})).to_dict()["memory"]
+    assert plain["required_bytes"] < fsdp2["required_bytes"]
+
+
+def test_plain_needs_one_gpu():
+    with pytest.raises(ScenarioError, match="fsdp.version"):
+        _scenario(gpus=2)
+
+
+def test_plain_refuses_fsdp_keys():
+    with pytest.raises(ScenarioError, match="fsdp.reshard_after_forward"):
+        _scenario(fsdp={"version": "none", "reshard_after_forward": False})
+
+
+def test_lora_on_one_gpu_casts_only_the_fp32_adapters():
+    """A bf16 frozen base is already in autocast's dtype: only the trainable fp32 adapters get copies, and
+    only they have `.grad` and optimizer states."""
+    sc = parse_scenario({"model": MODEL | {"lora": {"rank": 4, "targets": "all-linear"}},
+                         "training": {"micro_batch": 2, "seq_len": 64},
+                         "hardware": {"profile": "h100-sxm", "gpus_per_node": 1}, "fsdp": {"version": "none"}})
+    result = simulate(sc)
+    by_name = {p.name: p for p in sc.workload.params}
+    cast = {p.name for m in sc.workload.modules for p in autocast_params(m, by_name, sc.settings)}
+    trainable = {p.name for p in sc.workload.params if p.trainable}
+    assert cast == {n for n in trainable if len(by_name[n].shape) >= 2}
+    grads = sum(b.nbytes for b in result.graph.buffers if b.category == "sharded_grads")
+    assert grads == 4 * sum(by_name[n].numel for n in trainable)
