@@ -2,7 +2,7 @@
 
 from fsdp_sim.errors import ScenarioError
 
-DTYPE_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+DTYPE_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "uint8": 1}  # uint8: bitsandbytes' packed 4-bit storage
 
 
 def itemsize(dtype: str, key: str = "dtype") -> int:

@@ -10,6 +10,9 @@ A grid file is YAML, one axis per dotted scenario key:
     wrap:                                              # a plain name: settings chosen together
       - {fsdp.wrap: per_block}
       - {fsdp.wrap: every_k_blocks, fsdp.blocks_per_unit: 2}
+    technique:                                         # ... or named: the rows show the name
+      checkpointing: {training.activation_checkpointing: full}
+      lora: {model.lora: {rank: 16}}
 
 The points are the cartesian product of the axes in file order, `--set` axes last. An axis of `--set`
 replaces every grid axis that sets the same key. Bad grids raise `ScenarioError` naming the key.
@@ -28,7 +31,8 @@ import yaml
 from fsdp_sim.datafile import SAFE_LOADER, check_tree, read_data
 from fsdp_sim.errors import ScenarioError, show
 
-SECTIONS = ("name", "model", "training", "hardware", "fsdp", "compute", "report")  # a scenario's top-level keys
+# a scenario's top-level keys (scenario.py's parse_scenario)
+SECTIONS = ("name", "model", "training", "hardware", "fsdp", "compute", "report", "parallelism", "allocator")
 MAX_POINTS = 1_000_000
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _RANGE_KEYS = {"start", "stop", "step", "factor"}
@@ -36,10 +40,12 @@ _RANGE_KEYS = {"start", "stop", "step", "factor"}
 
 @dataclass(frozen=True, slots=True)
 class Axis:
-    """One dimension of a sweep: a name and its options, each a mapping of dotted keys to values."""
+    """One dimension of a sweep: a name and its options, each a mapping of dotted keys to values;
+    `labels`: the options' names when the grid named them (the rows show the name, not the keys)."""
 
     name: str
     options: tuple[dict[str, Any], ...]
+    labels: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, key: str, values) -> Axis:
@@ -48,6 +54,14 @@ class Axis:
     @property
     def keys(self) -> list[str]:
         return list(dict.fromkeys(k for option in self.options for k in option))
+
+    @property
+    def columns(self) -> list[str]:
+        return [self.name] if self.labels else self.keys
+
+    def chosen(self, i: int) -> dict[str, Any]:
+        """Option i as a point sets it, with its name under the axis' when it has one."""
+        return self.options[i] | ({self.name: self.labels[i]} if self.labels else {})
 
 
 MAX_ASSIGNMENT = 10_000  # characters of one --set
@@ -165,13 +179,23 @@ def _values(where: str, spec: Any) -> list:
 
 def _bundle(name: str, spec: Any) -> Axis:
     where = f"grid: {name}"
+    labels: tuple[str, ...] = ()
+    if isinstance(spec, dict) and spec:  # named choices
+        labels = tuple(spec)
+        for label in labels:
+            if not isinstance(label, str) or not label.isprintable() or not 0 < len(label) <= 60:
+                raise ScenarioError(f"{where}: {show(label)} is not a choice name (a printable string of 1-60 characters)")
+        spec = list(spec.values())
     if not isinstance(spec, list) or not spec or not all(isinstance(o, dict) and o for o in spec):
         raise ScenarioError(f"{where}: a plain name (not a scenario section) takes a list of mappings of dotted "
-                            f"keys set together, e.g. - {{fsdp.wrap: every_k_blocks, fsdp.blocks_per_unit: 2}}")
+                            f"keys set together, e.g. - {{fsdp.wrap: every_k_blocks, fsdp.blocks_per_unit: 2}}, "
+                            f"or a mapping of choice names to them")
     for option in spec:
         for key in option:
             _check_key(where, key)
-    return Axis(name, tuple(dict(o) for o in spec))
+            if "." not in key and key not in SECTIONS:
+                raise ScenarioError(f"{where}: {show(key)} is not a dotted scenario key such as training.micro_batch")
+    return Axis(name, tuple(dict(o) for o in spec), labels)
 
 
 def parse_grid(data: Any) -> list[Axis]:
@@ -223,16 +247,16 @@ def combine(axes: list[Axis], assignments: list[str]) -> list[Axis]:
 
 
 def columns(axes: list[Axis]) -> list[str]:
-    """The swept keys, as row columns, in axis order."""
-    return list(dict.fromkeys(k for axis in axes for k in axis.keys))
+    """The swept keys (a named axis: its name), as row columns, in axis order."""
+    return list(dict.fromkeys(k for axis in axes for k in axis.columns))
 
 
 def combinations(axes: list[Axis]) -> list[dict[str, Any]]:
     """Every point as {dotted key: value} of the keys its options set, the last axis varying fastest."""
     out = []
-    for combo in itertools.product(*(axis.options for axis in axes)):
+    for combo in itertools.product(*(range(len(axis.options)) for axis in axes)):
         chosen: dict[str, Any] = {}
-        for option in combo:
-            chosen.update(option)
+        for axis, i in zip(axes, combo):
+            chosen.update(axis.chosen(i))
         out.append(chosen)
     return out

@@ -14,17 +14,27 @@ from typing import Any
 
 
 from fsdp_sim.datafile import read_data, reject_unknown_keys
+from fsdp_sim.deepspeed_words import ZERO_STAGES
+from fsdp_sim.engine.allocator import AllocatorConfig, allocator_config
 from fsdp_sim.dtypes import DTYPE_BYTES
 from fsdp_sim.errors import ScenarioError, one_line, show
 from fsdp_sim.hardware.fabric import NETWORK_SCALARS, Network, check_network_value
 from fsdp_sim.hardware.kernels import SDPA_BACKENDS, ComputeOptions
 from fsdp_sim.hardware.profiles import Cluster, load_profile
-from fsdp_sim.schedule.optimizers import IMPLEMENTATIONS, OPTIMIZERS
+from fsdp_sim.schedule.optimizers import IMPLEMENTATIONS, OPTIMIZERS, check_optimizer
+from fsdp_sim.schedule.offload import host_memory_key, offload_keys
+from fsdp_sim.schedule.fsdp1_scenario import FSDP1_ONLY, fsdp1_options, fsdp1_settings
+from fsdp_sim.schedule.plain import plain_version
 from fsdp_sim.schedule.settings import FSDPSettings, post_forward_size
 from fsdp_sim.scientific import from_scientific
 from fsdp_sim.workload import PRESETS, TransformerDims, Workload, build_transformer
-from fsdp_sim.workload.transformer import DIM_LIMITS, MAX_SEQ
+from fsdp_sim.workload.transformer import DIM_LIMITS, MAX_LAYERS, MAX_SEQ
+from fsdp_sim.workload.checkpointing import MODES as AC_MODES, ac_frequency
+from fsdp_sim.workload.loss import LOSSES, apply_loss
+from fsdp_sim.workload.lora import ADAPTATION_KEYS, adapt_workload
 from fsdp_sim.workload.profile_trace import apply_profile_trace
+from fsdp_sim.workload.float8 import float8_workload, parse_float8
+from fsdp_sim.workload.tensor_parallel import TensorParallel, build_tp_transformer, parse_parallelism
 from fsdp_sim.wrap import POLICIES, Unit, make_units
 
 STRATEGIES = {  # FSDP1 name -> (mesh, default reshard_after_forward) as FSDP2 expresses it (torchtitan docs/fsdp.md)
@@ -85,6 +95,8 @@ class Scenario:
     sharding_strategy: str
     safety_margin: float
     compute: ComputeOptions = ComputeOptions()
+    allocator: AllocatorConfig = AllocatorConfig()  # PYTORCH_CUDA_ALLOC_CONF (engine/allocator.py)
+    zero_stage: int | None = None  # fsdp.zero_stage, when the strategy was given in DeepSpeed's words
 
 
 _DIM_KEYS = {f.name for f in fields(TransformerDims)}
@@ -135,10 +147,13 @@ def _check_scale(workload: Workload, grad_accumulation: int = 1) -> None:
                             f"micro-batches is past the limit of {MAX_MODULE_PASSES:,} module passes per step")
 
 
-def _workload(model: dict, *, micro_batch: int, seq_len: int, act_dtype: str, base: Path) -> Workload:
+def _workload(model: dict, *, micro_batch: int, seq_len: int, act_dtype: str, base: Path,
+              tp: TensorParallel = TensorParallel()) -> Workload:
     """The model section as a workload: a Hugging Face config.json, a workload file, or dimensions."""
     sources = [k for k in ("hf_config", "workload") if k in model]
     if sources:
+        if tp.size > 1:
+            raise ScenarioError(f"parallelism.tp: needs a model given by dimensions or a preset, not model.{sources[0]}")
         if len(model) > 1:
             other = sorted(map(str, set(model) - {sources[0]}))[0]
             raise ScenarioError(f"model.{other}: not allowed beside model.{sources[0]}")
@@ -150,6 +165,8 @@ def _workload(model: dict, *, micro_batch: int, seq_len: int, act_dtype: str, ba
         from fsdp_sim.workload.io import load_workload
         return load_workload(path)
     name, dims = _model_dims(model)
+    if tp.size > 1:  # one rank's share of torchtitan's TP plan (workload/tensor_parallel.py)
+        return build_tp_transformer(dims, tp, micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype, name=name)
     return build_transformer(dims, micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype, name=name)
 
 
@@ -266,15 +283,19 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     """Check and resolve scenario data; relative file paths inside it are taken from `base`."""
     base = base or Path.cwd()
     data = _expect("scenario", data)
-    reject_unknown_keys("scenario", data, {"name", "model", "training", "hardware", "fsdp", "compute", "report"})
+    reject_unknown_keys("scenario", data, {"name", "model", "training", "hardware", "fsdp", "compute", "report",
+                                           "allocator", "parallelism"})
     if "model" not in data:
         raise ScenarioError("model: missing (a preset name, transformer dimensions, hf_config or workload)")
     model = data["model"]
     model = _expect("model", {"preset": model} if isinstance(model, str) else model)
+    adaptation = {k: model[k] for k in ADAPTATION_KEYS if k in model}  # workload/lora.py: frozen, LoRA, QLoRA
+    model = {k: v for k, v in model.items() if k not in ADAPTATION_KEYS}
 
     training = _expect("training", data.get("training"))
     reject_unknown_keys("training", training, {"micro_batch", "seq_len", "grad_accumulation", "optimizer",
-                                       "activation_checkpointing", "optimizer_impl", "momentum"})
+                                       "activation_checkpointing", "optimizer_impl", "momentum", "activation_offload", "ac_every", "loss",
+                                       "param_storage_dtype"})
     if isinstance(data["model"], dict) and "workload" in data["model"]:
         for key in ("micro_batch", "seq_len"):
             if key in training:
@@ -291,32 +312,43 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     if optimizer_impl == "fused" and optimizer == "sgd":
         raise ScenarioError("training.optimizer_impl: fused SGD does not run on FSDP2's sharded DTensor parameters; "
                             "use foreach or for_loop")
-    ac = _get("training", training, "activation_checkpointing", str, "none", choices=("none", "full"))
+    ac = _get("training", training, "activation_checkpointing", str, "none", choices=AC_MODES)
+    ac_every = ac_frequency(ac, _get("training", training, "ac_every", int, None, positive=True, maximum=MAX_LAYERS))
 
     hardware = _expect("hardware", data.get("hardware"))
-    reject_unknown_keys("hardware", hardware, {"profile", "nodes", "gpus_per_node", "network"})
+    reject_unknown_keys("hardware", hardware, {"profile", "nodes", "gpus_per_node", "network", "host_memory_gb"})
     gpu = load_profile(_profile_ref(_get("hardware", hardware, "profile", str), base))
     nodes = _get("hardware", hardware, "nodes", int, 1, positive=True, maximum=MAX_NODES)
     gpn = _get("hardware", hardware, "gpus_per_node", int, gpu.gpus_per_node, positive=True, maximum=MAX_GPUS_PER_NODE)
-    cluster = Cluster(gpu, nodes, gpn, _network(hardware, gpu.fabric.network))
-    world = cluster.world_size
+    cluster = Cluster(gpu, nodes, gpn, _network(hardware, gpu.fabric.network), host_memory_key(hardware))
+    tp = parse_parallelism(data.get("parallelism"), gpn)
+    world = cluster.world_size // tp.size  # the data-parallel mesh's ranks (FSDP runs over world / tp)
 
     fsdp = _expect("fsdp", data.get("fsdp"))
     reject_unknown_keys("fsdp", fsdp, {"version", "wrap", "blocks_per_unit", "min_params", "sharding_strategy",
                                "shard_size", "reshard_after_forward", "root_reshard_after_forward",
                                "reshard_last_block", "forward_prefetch", "backward_prefetch",
                                "requires_gradient_sync", "requires_all_reduce", "reshard_after_backward",
-                               "mixed_precision"})
-    version = _get("fsdp", fsdp, "version", int, 2, choices=(2,))
-    del version  # FSDP1 mode is not modelled yet; only 2 is accepted
+                               "mixed_precision", "offload_policy", "offload_pin_memory", "zero_stage", *FSDP1_ONLY})
+    version = plain_version(fsdp, cluster.world_size)
+    if version is None:
+        version = _get("fsdp", fsdp, "version", int, 2, choices=(1, 2))
+    # FSDP1's own words; each version refuses the other's keys (none: no FSDP, schedule/plain.py)
+    fsdp, fsdp1 = fsdp1_options(fsdp, version, gpu) if version else (fsdp, {})
+    check_optimizer(optimizer, version)  # Adafactor cannot step FSDP2's DTensors (schedule/optimizers.py)
     wrap = _get("fsdp", fsdp, "wrap", str, "per_block", choices=POLICIES)
     k = _get("fsdp", fsdp, "blocks_per_unit", int, 1, positive=True)
     min_params = _get("fsdp", fsdp, "min_params", int, 100_000_000, positive=True)
     # an FSDP1 strategy name is a mesh and a default reshard_after_forward; an explicit
     # reshard_after_forward replaces the default, as fully_shard takes any value on any mesh
     strategy = _get("fsdp", fsdp, "sharding_strategy", str, "FULL_SHARD", choices=tuple(STRATEGIES))
+    zero_stage = _get("fsdp", fsdp, "zero_stage", int, None, choices=tuple(ZERO_STAGES))
+    if zero_stage is not None:  # DeepSpeed's words for the same choice
+        if "sharding_strategy" in fsdp:
+            raise ScenarioError("fsdp.zero_stage: not allowed beside fsdp.sharding_strategy (say one of them)")
+        strategy = ZERO_STAGES[zero_stage]
     mesh, strategy_reshard = STRATEGIES[strategy]
-    shard_size = {"1d": world, "2d": gpn, "replicate": 1}[mesh]
+    shard_size = {"1d": world, "2d": gpn // tp.size, "replicate": 1}[mesh]
     shard_size = _get("fsdp", fsdp, "shard_size", int, shard_size, positive=True)
     if world % shard_size:
         raise ScenarioError(f"fsdp.shard_size: {shard_size} does not divide the world size {world} "
@@ -346,15 +378,21 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     if not 0 <= margin < 1:
         raise ScenarioError(f"report.safety_margin: {margin} must be in [0, 1)")
 
-    workload = _workload(model, micro_batch=micro_batch, seq_len=seq_len, act_dtype=param_dtype, base=base)
+    workload = _workload(model, micro_batch=micro_batch, seq_len=seq_len, act_dtype=param_dtype, base=base, tp=tp)
+    loss = _get("training", training, "loss", str, "torch", choices=LOSSES)
+    workload = apply_loss(workload, loss, batch=micro_batch, seq=seq_len)  # workload/loss.py
+    workload = adapt_workload(workload, adaptation, _get) if adaptation else workload
     _check_scale(workload, grad_accumulation)
     compute = _expect("compute", data.get("compute"))
-    reject_unknown_keys("compute", compute, {"trace", "allow_tf32", "torch_compile", "sdpa_backend", "torch_version"})
+    reject_unknown_keys("compute", compute, {"trace", "allow_tf32", "torch_compile", "sdpa_backend", "torch_version",
+                                             "float8"})
     options = _compute_options(compute)
     if "trace" in compute:
         trace = Path(_get("compute", compute, "trace", str))
         workload = apply_profile_trace(workload, trace if trace.is_absolute() else base / trace)
         _check_trace_times(workload, gpu.matmul_peak(param_dtype, options.allow_tf32), gpu.name)
+    float8 = parse_float8(compute.get("float8"), gpu, reshard)  # torchao float8 Linears (workload/float8.py)
+    workload, float8_weights = float8_workload(workload, float8)
     units = make_units(workload, wrap, k=k, min_params=min_params)
     output_dtype, unit_output_dtype = _output_dtype(mp.get("output_dtype"), units, dtypes)
     settings = FSDPSettings(shard_size=shard_size, replicate_size=world // shard_size, reshard_after_forward=reshard,
@@ -365,9 +403,20 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
                             activation_checkpointing=ac == "full", forward_prefetch=forward_prefetch,
                             backward_prefetch=backward_prefetch, reshard_last_unit=reshard_last_block,
                             grad_accumulation=grad_accumulation, requires_gradient_sync=requires_gradient_sync,
-                            requires_all_reduce=requires_all_reduce, reshard_after_backward=reshard_after_backward)
+                            requires_all_reduce=requires_all_reduce, reshard_after_backward=reshard_after_backward,
+                            ac_mode=ac, ac_every=ac_every, tp=tp.size, sequence_parallel=tp.sequence_parallel,
+                            float8_weights=float8_weights, float8_all_gather=float8.fsdp_float8_all_gather,
+                            float8_precompute_scale=float8.precompute_scale,
+                            storage_dtype=_get("training", training, "param_storage_dtype", str, "fp32",
+                                               choices=("fp32", "bf16", "fp16")),
+                            **offload_keys(fsdp, training, gpu, shard_size, version))
+    if fsdp1:
+        settings = fsdp1_settings(settings, fsdp1)
+    if not version:
+        settings = replace(settings, version=0)
     return Scenario(name=_name(data, name), workload=workload, units=units, cluster=cluster,
-                    settings=settings, wrap=wrap, sharding_strategy=strategy, safety_margin=margin, compute=options)
+                    settings=settings, wrap=wrap, sharding_strategy=strategy, safety_margin=margin, compute=options,
+                    allocator=allocator_config(_expect("allocator", data.get("allocator")), _get), zero_stage=zero_stage)
 
 
 def load_scenario(path: str | Path) -> Scenario:

@@ -8,8 +8,11 @@ from fsdp_sim.engine import play, replay
 from fsdp_sim.hardware.costs import OpCosts
 from fsdp_sim.results.analysis import StepResult
 from fsdp_sim.scenario import Scenario
+from fsdp_sim.schedule.fsdp1 import build_fsdp1_step
 from fsdp_sim.schedule.fsdp2 import build_fsdp2_step
+from fsdp_sim.schedule.plain import build_plain_step
 from fsdp_sim.schedule.settings import post_forward_group
+from fsdp_sim.schedule.tp import tp_pricing
 
 
 def simulate(scenario: Scenario) -> StepResult:
@@ -22,10 +25,12 @@ def simulate(scenario: Scenario) -> StepResult:
     gc.disable()
     try:
         s = scenario.settings
-        graph = build_fsdp2_step(scenario.workload, scenario.units, s)
+        # no FSDP (one GPU) | FullyShardedDataParallel | fully_shard
+        build = {0: build_plain_step, 1: build_fsdp1_step}.get(s.version, build_fsdp2_step)
+        graph = build(scenario.workload, scenario.units, s)
         costs = op_costs(scenario)
         timing = play(graph.ops, costs.duration, host_s=costs.host_s, slowdown=costs.slowdown)
-        memory = replay(graph.ops, graph.persistent, timing.start)
+        memory = replay(graph.ops, graph.persistent, timing.start, timing.issued, timing.end, scenario.allocator)
         return StepResult(scenario, graph, timing, memory, costs.times, costs.duration)
     finally:
         if paused:
@@ -39,4 +44,5 @@ def op_costs(scenario: Scenario) -> OpCosts:
     s = scenario.settings
     return OpCosts(scenario.cluster, shard_size=s.shard_size, replicate_size=s.replicate_size,
                    compute_dtype=s.param_dtype, options=scenario.compute,
-                   consecutive_groups={post_forward_group(k): k for k in s.post_forward_sizes})
+                   consecutive_groups={post_forward_group(k): k for k in s.post_forward_sizes},
+                   **tp_pricing(s, scenario.cluster))  # a tensor-parallel mesh's groups (none without TP)

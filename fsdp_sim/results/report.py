@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fsdp_sim.results.host import host_lines
+
 GiB, MiB = 1 << 30, 1 << 20
 
 
@@ -17,13 +19,26 @@ def summary(d: dict) -> str:
     """Human-readable text from `StepResult.to_dict()` output."""
     peak, mem, comm, comp, f = d["peak"], d["memory"], d["communication"], d["compute"], d["fsdp"]
     tp, br = d["throughput"], comp["breakdown"]
-    hw, over = d["hardware"], mem["overheads_bytes"]
+    hw, over, al = d["hardware"], mem["overheads_bytes"], d["allocator"]
     lines = [
         f"fsdp-sim: {d['scenario']} — {d['model']['name']} ({d['model']['params'] / 1e9:.2f} B params) on "
         f"{hw['nodes']}x{hw['gpus_per_node']} {hw['profile']} ({hw['world_size']} GPUs)",
-        f"  FSDP2 {f['sharding_strategy']} (shard {f['shard_size']} x replicate {f['replicate_size']}), wrap {f['wrap']} "
-        f"({len(d['units'])} units), reshard_after_forward={f['reshard_after_forward']}, "
-        f"param {f['param_dtype']} / reduce {f['reduce_dtype']}, {f['optimizer']}, AC {f['activation_checkpointing']}",
+        (f"  no FSDP (plain training on one GPU, autocast to {f['param_dtype']}), {f['optimizer']}, "
+         f"AC {f['activation_checkpointing']}" if f['runtime'] == "none" else
+         f"  {f['runtime'].upper()} {f['sharding_strategy']} (shard {f['shard_size']} x replicate {f['replicate_size']}), "
+         f"wrap {f['wrap']} ({len(d['units'])} units), "
+         + (f"backward_prefetch={f['backward_prefetch']}, forward_prefetch={f['forward_prefetch']}, "
+            f"limit_all_gathers={f['limit_all_gathers']}, use_orig_params={f['use_orig_params']}, "
+            if f['runtime'] == "fsdp1" else f"reshard_after_forward={f['reshard_after_forward']}, ") +
+         f"param {f['param_dtype']} / reduce {f['reduce_dtype']}, {f['optimizer']}, AC {f['activation_checkpointing']}"),
+        f"  parameters         trainable {d['model']['trainable_params']} params, frozen {d['model']['frozen_params']} params; "
+        f"trainable stored in {d['model']['param_storage_dtype']}",
+        *([f"  note               {f['zero_stage_note']}"] if f.get("zero_stage_note") else []),
+        *([f"  tensor parallel    {f['tp']} ranks per TP group (sequence parallel {f['sequence_parallel']}); FSDP over "
+           f"the {f['shard_size'] * f['replicate_size']} data-parallel ranks; parameters above are one rank's"]
+          if "tp" in f else []),
+        *([f"  float8             {f['float8_linears']} Float8Linear weights, float8 all-gather {f['float8_all_gather']}, "
+           f"precomputed scales {f['float8_precompute_scale']}"] if "float8_linears" in f else []),
         "",
         f"Step time            {fmt_time(d['step_time_s'])}   {tp['tokens_per_s_per_gpu']:.0f} tokens/s per GPU, "
         f"{tp['tokens_per_step']} tokens per step",
@@ -42,9 +57,19 @@ def summary(d: dict) -> str:
         "",
         f"Peak allocated       {fmt_bytes(peak['allocated_bytes'])} at {fmt_time(peak['time_s'])} "
         f"({peak['phase']}, {'unit ' + peak['unit'] if peak['unit'] else 'outside the FSDP units'}, op '{peak['op']}')",
-        f"Peak reserved        {fmt_bytes(peak['reserved_bytes'])} (allocator pools per stream, no fragmentation model)",
-        f"  reserved - allocated {fmt_bytes(over['reserved_minus_allocated'])}: freed blocks the stream pools keep "
-        "cached, and size rounding",
+        f"Peak reserved        {fmt_bytes(peak['reserved_bytes'])} (caching allocator model, steady state, "
+        f"expandable_segments {'on' if al['expandable_segments'] else 'off'})",
+        f"  cached, not allocated {fmt_bytes(al['cached_not_allocated_bytes'])}: free blocks the allocator keeps in "
+        f"its per-stream pools and segments; empty_cache would return {fmt_bytes(al['empty_cache_releasable_bytes'])}",
+        f"  first step         peak allocated {fmt_bytes(al['first_step']['allocated_bytes'])} "
+        f"({al['first_step']['phase']}), reserved {fmt_bytes(al['first_step']['reserved_bytes'])} "
+        "(optimizer states created in its optimizer step)",
+        *([f"  under the budget   {fmt_bytes(al['limit_bytes'])} left to the allocator: "
+           + ("out of memory even after it frees its cached segments and retries" if al["out_of_memory"] else
+              f"reserved {fmt_bytes(al['reserved_under_limit_bytes'])}, {al['retries_per_step']} allocator retries "
+              f"per step ({al['retries']} in all; each a device synchronize and cudaFree of cached segments: a slower "
+              "step, not priced)")]
+          if peak["reserved_bytes"] > al["limit_bytes"] else []),
         "  by category at the peak (they sum to peak allocated):",
     ]
     for cat, value in peak["by_category"].items():
@@ -59,7 +84,29 @@ def summary(d: dict) -> str:
         f"GPU memory           {fmt_bytes(mem['capacity_bytes'])}; budget with {100 * mem['safety_margin']:.0f} % margin "
         f"{fmt_bytes(mem['budget_bytes'])}",
         f"Required             {fmt_bytes(mem['required_bytes'])} (reserved + CUDA context "
-        f"{fmt_bytes(over['cuda_context'])} + NCCL {fmt_bytes(over['nccl'])})  -> {verdict}, "
+        f"{fmt_bytes(over['cuda_context'])} + NCCL {fmt_bytes(over['nccl'])} for the "
+        f"process groups: {', '.join(mem['nccl_groups_bytes']) or 'none'})  -> {verdict}, "
         f"headroom {fmt_bytes(mem['headroom_bytes'])}",
     ]
+    parts = contributors(d)
+    lines.append("  per GPU, by kind   " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts.items())
+                 + " (they sum to required)")
+    lines.append(f"  headroom advice    keep 10 % to 15 % of the GPU free for allocator growth and spikes the step does not "
+                 f"show; this budget keeps {100 * mem['safety_margin']:.0f} % (report.safety_margin)")
+    lines += host_lines(d)  # host memory per node, when the step offloads (host.py)
     return "\n".join(lines)
+
+
+# the memory categories at the peak as the five contributors ZeRO's accounting names (parameters,
+# gradients, optimizer states, activations; the rest is overhead, with the cache, CUDA context and NCCL)
+KINDS = {"parameters": ("sharded_params", "unsharded_params"), "gradients": ("sharded_grads", "unsharded_grads"),
+         "optimizer states": ("optimizer_states",), "activations": ("activations", "inputs")}
+
+
+def contributors(d: dict) -> dict[str, int]:
+    """Required memory split five ways: parameters, gradients, optimizer states, activations (at the peak)
+    and overhead (temporaries, communication buffers, what the allocator caches, CUDA context, NCCL)."""
+    by = d["peak"]["by_category"]
+    parts = {kind: sum(by.get(c, 0) for c in cats) for kind, cats in KINDS.items()}
+    parts["overhead"] = d["memory"]["required_bytes"] - sum(parts.values())
+    return parts

@@ -9,17 +9,21 @@ and emits each module's compute op with its kernels.
 from __future__ import annotations
 
 from fsdp_sim.dtypes import itemsize
+from fsdp_sim.schedule.offload import ActivationOffload, CPUOffload, HostMemory
 from fsdp_sim.schedule.ops import Buffer, Op, OpGraph
 from fsdp_sim.schedule.optimizers import step_cost
 from fsdp_sim.schedule.settings import FSDPSettings
+from fsdp_sim.schedule.tp import TensorParallelCompute
+from fsdp_sim.workload.checkpointing import checkpoint_plans
 from fsdp_sim.workload.model import Module, Workload
 from fsdp_sim.wrap import Unit
 
 COMPUTE = "compute"  # the current CUDA stream
 
 
-class AutogradStep:
-    """The state autograd keeps across modules: outputs, saved tensors, gradients."""
+class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
+    """The state autograd keeps across modules: outputs, saved tensors, gradients. A module's compute op is
+    `module_compute`'s (`tp.py`: split around the tensor-parallel collectives when there are any)."""
 
     def __init__(self, workload: Workload, units: list[Unit], settings: FSDPSettings) -> None:
         self.wl, self.units, self.s = workload, units, settings
@@ -31,6 +35,13 @@ class AutogradStep:
         self.sharded_grads: dict[str, Buffer] = {}  # by unit
         self.activation_bytes = itemsize(workload.activation_dtype)
         self.params_by_name = {p.name: p for p in workload.params}
+        self.checkpoints = checkpoint_plans(workload, settings.ac_mode, settings.ac_every)
+        self.cached: dict[str, Buffer] = {}  # what a selective policy keeps from forward to backward
+        # pinned host memory (offload.py): CPU-offloaded state and gradients, save_on_cpu's activations
+        self.host = HostMemory()
+        self.g.host = self.host if settings.offload_params or settings.activation_offload else None
+        self.host_grads: set[str] = set()  # units whose sharded gradient is on the host
+        self.offloaded: dict[str, list] = {}  # by module: what save_on_cpu moved to the host
 
     # ---- autograd: what each module's forward and backward allocate -----------------------------
     def _scaled(self, nbytes: int) -> int:
@@ -38,37 +49,56 @@ class AutogradStep:
         return nbytes * self.s.param_bytes // self.activation_bytes
 
     def forward_compute(self, m: Module, prev: Module | None, *, recompute: bool = False) -> None:
+        """A module's forward, or (`recompute`) a checkpointed block's rerun at the start of its backward.
+
+        A checkpointed block's forward creates every tensor it would save, then keeps only its input and
+        what its policy caches (`workload/checkpointing.py`); the recompute re-creates the rest."""
         g = self.g
-        checkpointed = self.s.activation_checkpointing and m.is_block
-        temp = self._scaled(m.fwd_temp_bytes) + (self._scaled(m.saved_bytes) if checkpointed and not recompute else 0)
+        ck = self.checkpoints.get(m.name)
+        shared = self._scaled(ck.shared_bytes) if ck is not None else 0
+        saved = self._scaled(m.saved_bytes) - shared
+        temp = self._scaled(m.fwd_temp_bytes)
+        if ck is not None and not recompute:
+            temp += saved
+            if ck.cache_bytes:
+                self.cached[m.name] = g.alloc(COMPUTE, f"{m.name} saved by the checkpoint policy", "activations",
+                                              self._scaled(ck.cache_bytes))
         transient = g.alloc(COMPUTE, f"{m.name} forward temporaries", "temporaries" if not recompute else "activations", temp) if temp else None
-        if m.saved_bytes and (recompute or not checkpointed):
-            self.saved[m.name] = g.alloc(COMPUTE, f"{m.name} saved activations", "activations", self._scaled(m.saved_bytes))
+        if saved and (recompute or ck is None):
+            self.saved[m.name] = g.alloc(COMPUTE, f"{m.name} saved activations", "activations", saved)
         if not recompute:
             self.outputs[m.name] = g.alloc(COMPUTE, f"{m.name} output", "activations", self._scaled(m.output_bytes))
-        # a non-reentrant checkpoint's recompute stops at the block's last saved tensor (early_stop)
-        g.add("compute", COMPUTE, f"{m.name} {'recompute' if recompute else 'forward'}",
-              flops=m.fwd_flops, hbm_bytes=self._scaled(m.fwd_hbm_bytes), measured_s=m.fwd_time_s,
-              kernels=m.kernels, kernel_pass="recompute" if recompute else "forward")
+        # a non-reentrant checkpoint's recompute stops at the block's last saved tensor (early_stop) and
+        # pops what the policy cached instead of rerunning it
+        kernels = ck.recompute_kernels if recompute else m.kernels
+        flops = ck.recompute_flops if recompute and m.kernels else m.fwd_flops
+        self.module_compute(COMPUTE, f"{m.name} {'recompute' if recompute else 'forward'}", kernels,
+                            "recompute" if recompute else "forward", flops=flops,
+                            hbm_bytes=self._scaled(m.fwd_hbm_bytes), measured_s=m.fwd_time_s)
         if transient is not None:
             g.free(COMPUTE, transient)
-        if not recompute and prev is not None and not (m.saves_input or checkpointed):
+        if not recompute and prev is not None and not (m.saves_input or ck is not None):
             g.free(COMPUTE, self.outputs.pop(prev.name))
+        if not recompute:
+            self.offload_saved(m, prev)  # save_on_cpu (offload.py)
 
     def backward_compute(self, m: Module, prev: Module | None, nxt: Module | None) -> None:
         g, s = self.g, self.s
-        if s.activation_checkpointing and m.is_block:
+        self.reload_saved(m, prev)  # save_on_cpu's unpack (offload.py)
+        if m.name in self.checkpoints:
             self.forward_compute(m, prev, recompute=True)
         # the transient moment first (it holds whatever gradients exist then); autograd releases
         # each op's saved tensors as its backward runs, so by the end only what the backward leaves
         # remains: the gradient w.r.t. the input and the parameters' unsharded gradients
         temp = g.alloc(COMPUTE, f"{m.name} backward temporaries", "temporaries", self._scaled(m.bwd_temp_bytes)) if m.bwd_temp_bytes else None
-        g.add("compute", COMPUTE, f"{m.name} backward", flops=m.bwd_flops, hbm_bytes=2 * self._scaled(m.fwd_hbm_bytes),
-              measured_s=m.bwd_time_s, kernels=m.kernels, kernel_pass="backward")
+        self.module_compute(COMPUTE, f"{m.name} backward", m.kernels, "backward", flops=m.bwd_flops,
+                            hbm_bytes=2 * self._scaled(m.fwd_hbm_bytes), measured_s=m.bwd_time_s)
         if temp is not None:
             g.free(COMPUTE, temp)
         if m.name in self.saved:
             g.free(COMPUTE, self.saved.pop(m.name))
+        if m.name in self.cached:
+            g.free(COMPUTE, self.cached.pop(m.name))
         grad_input = None
         if prev is not None:
             grad_input = g.alloc(COMPUTE, f"{m.name} grad input", "temporaries", self._scaled(prev.output_bytes))
@@ -84,13 +114,19 @@ class AutogradStep:
         self.grad_output = grad_input
 
     # ---- optimizer ------------------------------------------------------------------------------
+    def optimizer_shards(self) -> list[int]:
+        """The local elements of each tensor the optimizer steps: FSDP2's per-parameter dim-0 shards
+        (FSDP1 overrides it with one flat shard per unit)."""
+        return [p.padded_shard_numel(self.s.shard_size) for u in self.units for p in u.params if p.trainable]
+
     def optimizer_step(self, last_reduce: Op | None) -> None:
         """The optimizer step on the sharded fp32 parameters (see `optimizers.py`), then
         zero_grad(set_to_none=True)."""
         g, s = self.g, self.s
         g.phase, g.unit = "optimizer", ""
-        shards = [p.padded_shard_numel(s.shard_size) for u in self.units for p in u.params if p.trainable]
-        cost = step_cost(s.optimizer, s.optimizer_impl, s.momentum, shards)
+        if s.offload_params:  # CPUOffloadPolicy: torch.optim steps the host shards on the CPU (offload.py)
+            return self.cpu_optimizer_step(last_reduce, self.optimizer_shards())
+        cost = step_cost(s.optimizer, s.optimizer_impl, s.momentum, self.optimizer_shards())
         temp = g.alloc(COMPUTE, f"{s.optimizer}.step temporaries", "optimizer_states", cost.temp_bytes,
                        deps=(last_reduce,)) if cost.temp_bytes else None
         g.add("compute", COMPUTE, f"{s.optimizer}.step", deps=(last_reduce,), hbm_bytes=cost.traffic_bytes,

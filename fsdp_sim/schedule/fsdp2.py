@@ -15,9 +15,11 @@ from dataclasses import replace
 
 from fsdp_sim.dtypes import itemsize
 from fsdp_sim.schedule.autograd import COMPUTE, AutogradStep
+from fsdp_sim.schedule.float8 import Float8AllGather, float8_unit_bytes
 from fsdp_sim.schedule.fsdp2_reduce import SHARD_GROUP, GradientReduction
 from fsdp_sim.schedule.ops import Buffer, Op, OpGraph
-from fsdp_sim.schedule.optimizers import states_per_param
+from fsdp_sim.schedule.optimizers import state_bytes
+from fsdp_sim.schedule.param_dtypes import gathered_itemsize, unit_bytes
 from fsdp_sim.schedule.settings import FSDPSettings, post_forward_group
 from fsdp_sim.workload.model import Module, Workload
 from fsdp_sim.wrap import Unit
@@ -25,7 +27,7 @@ from fsdp_sim.wrap import Unit
 COPY_IN, AG = "all_gather_copy_in", "all_gather"
 
 
-class FSDP2Runtime(AutogradStep, GradientReduction):
+class FSDP2Runtime(AutogradStep, GradientReduction, Float8AllGather):
     """Walks one step (forward, backward, optimizer step) and emits what FSDP2 and autograd issue."""
 
     def __init__(self, workload: Workload, units: list[Unit], settings: FSDPSettings) -> None:
@@ -58,8 +60,9 @@ class FSDP2Runtime(AutogradStep, GradientReduction):
         self.accumulated_grads: dict[str, Buffer] = {}  # kept across micro-batches without gradient sync
         self.output_dtypes: dict[str, str] = {}  # a module's output cast away from the compute dtype, by module
         # per-rank shard sizes, computed once: every hook asks for them
-        self.shard = {u.name: u.shard_numel(settings.shard_size) for u in units}
         self.trainable_shard = {u.name: u.shard_numel(settings.shard_size, trainable_only=True) for u in units}
+        # mixed dtypes (param_dtypes.py), float8 weights all-gathered in fp8 (float8.py)
+        self.unit_bytes = {u.name: float8_unit_bytes(u, settings, unit_bytes(u, settings)) for u in units}
         self.post_forward_index: dict[str, int] = {}
         # per micro-batch: set_requires_gradient_sync, set_requires_all_reduce, set_reshard_after_backward
         self.reduce_grads = True
@@ -100,6 +103,7 @@ class FSDP2Runtime(AutogradStep, GradientReduction):
             self.reshard_after_backward = s.reshard_after_backward or last
             last_reduce = self.micro_batch(micro_batch) or last_reduce
         self.optimizer_step(last_reduce)
+        self.float8_precompute_scales(COMPUTE, SHARD_GROUP)  # torchtitan: right after optimizer.step()
         self.g.free(COMPUTE, self.inputs)
         return self.g
 
@@ -158,16 +162,17 @@ class FSDP2Runtime(AutogradStep, GradientReduction):
         return replace(m, fwd_temp_bytes=max(0, m.fwd_temp_bytes - prev.output_bytes * 4 // self.s.param_bytes))
 
     def _persistent_state(self) -> None:
-        """Sharded fp32 parameters (dim-0 padded) and optimizer states exist before the step."""
+        """Sharded parameters (dim-0 padded, each in its stored dtype) and optimizer states exist before the
+        step; the states are `zeros_like(param)` (torch.optim's `_init_group`), in the trainable ones' dtype."""
         s, g = self.s, self.g
         for u in self.units:
             g.unit = u.name
-            if u.params:
-                g.persistent_alloc(f"{u.name} sharded params", "sharded_params", self.shard[u.name] * s.storage_bytes)
-            trainable = self.trainable_shard[u.name]
-            states = states_per_param(s.optimizer, s.momentum)
-            if trainable and states:
-                g.persistent_alloc(f"{u.name} {s.optimizer} states", "optimizer_states", states * trainable * 4)
+            if u.params:  # hold_state: on the host under CPUOffloadPolicy (offload.py)
+                self.hold_state(f"{u.name} sharded params", "sharded_params", self.unit_bytes[u.name].sharded)
+            shards = [(-(-p.shape[0] // s.shard_size), *p.shape[1:]) if p.shape else () for p in u.params if p.trainable]
+            states = state_bytes(s.optimizer, s.momentum, shards, s.storage_bytes)  # optimizers.py
+            if states:
+                self.hold_state(f"{u.name} {s.optimizer} states", "optimizer_states", states)
 
     # ---- hooks (FSDPState / FSDPParamGroup) ----------------------------------------------------
     def pre_forward(self, u: Unit, inputs: Module | None = None) -> None:
@@ -370,12 +375,12 @@ class FSDP2Runtime(AutogradStep, GradientReduction):
         From the sharded state the input is this rank's padded fp32 shard, over the shard group; after
         an hpZ reshard (`is_sharded_post_forward`) it is the 1/k copy kept after forward, over the
         post-forward group of k (`_all_gather_process_group`), and the streams first wait the
-        `_reshard_after_forward_event`. Either way the output is the padded unsharded size.
+        `_reshard_after_forward_event`. Either way the output is the padded unsharded size. Under
+        CPUOffloadPolicy the sharded inputs are first copied H2D per parameter (offload.py).
         """
         if not u.params or self.unsharded[u.name] is not None or u.name in self.pending_all_gather:
             return
         s, g = self.s, self.g
-        shard = self.shard[u.name]
         post_forward = self.sharded_post_forward.get(u.name)
         reshard_event = self.reshard_after_forward_events.pop(u.name, None)
         if s.shard_size == 1:
@@ -383,21 +388,28 @@ class FSDP2Runtime(AutogradStep, GradientReduction):
             self.pending_all_gather[u.name] = None
             return
         world = self.reshard_after_forward[u.name] if post_forward else s.shard_size
-        numel = shard * s.shard_size // world  # this rank's all-gather input
-        source_bytes = s.param_bytes if post_forward else s.storage_bytes
-        # with a param_dtype the inputs are first copied (cast) into one flat low-precision temporary
-        cast = s.param_dtype != s.storage_dtype
-        temp = g.alloc(COPY_IN, f"{u.name} all-gather copy-in cast", "temporaries", numel * s.param_bytes) if cast else None
-        out = g.alloc(COPY_IN, f"{u.name} all-gather output", "all_gather_buffers", shard * s.shard_size * s.param_bytes)
-        copy_in = g.add("copy", COPY_IN, f"{u.name} all-gather copy-in", deps=(self.all_gather_streams_wait, reshard_event),
-                        hbm_bytes=numel * (source_bytes + s.param_bytes))
+        ub = self.unit_bytes[u.name]
+        in_bytes = ub.gathered * s.shard_size // world  # this rank's all-gather input
+        source_bytes = in_bytes if post_forward else ub.sharded
+        # with a param_dtype the inputs it casts are first copied into one flat low-precision temporary
+        cast = ub.cast * s.shard_size // world
+        waits = (self.all_gather_streams_wait, reshard_event)
+        if not post_forward:  # torchao's fsdp_pre_all_gather: the float8 weights' amaxes (float8.py)
+            waits = self.float8_pre_all_gather(u, COPY_IN, SHARD_GROUP, waits)
+        from_host = s.offload_params and not post_forward  # CPUOffloadPolicy: per-parameter H2D and cast first
+        if from_host:
+            temps, source_bytes = self.all_gather_inputs_from_host(u, waits), in_bytes
+        else:
+            temps = [g.alloc(COPY_IN, f"{u.name} all-gather copy-in cast", "temporaries", cast)] if cast else []
+        out = g.alloc(COPY_IN, f"{u.name} all-gather output", "all_gather_buffers", ub.gathered * s.shard_size)
+        copy_in = g.add("copy", COPY_IN, f"{u.name} all-gather copy-in", deps=waits, hbm_bytes=source_bytes + in_bytes)
         self.all_gather_streams_wait = None
         if post_forward:
             ag = g.add("all_gather", AG, f"{u.name} all-gather in groups of {world}", deps=(copy_in,),
                        group=post_forward_group(world), comm_bytes=out.nbytes)
         else:
             ag = g.add("all_gather", AG, f"{u.name} all-gather", deps=(copy_in,), group=SHARD_GROUP, comm_bytes=out.nbytes)
-        if temp is not None:
+        for temp in temps:
             g.free(COPY_IN, temp)  # dropped when the all-gather call returns
         self.pending_all_gather[u.name] = (out, ag)
 
@@ -410,7 +422,7 @@ class FSDP2Runtime(AutogradStep, GradientReduction):
         s, g = self.s, self.g
         pending = self.pending_all_gather.pop(u.name)
         if pending is None:
-            nbytes = self.shard[u.name] * s.param_bytes
+            nbytes = self.unit_bytes[u.name].gathered
             self.unsharded[u.name] = g.alloc(COMPUTE, f"{u.name} unsharded params", "unsharded_params", nbytes)
             g.add("copy", COMPUTE, f"{u.name} copy shards to unsharded params", hbm_bytes=2 * nbytes)
             return
@@ -449,7 +461,7 @@ class FSDP2Runtime(AutogradStep, GradientReduction):
         if buf is None:
             return
         s, g = self.s, self.g
-        sizes = [p.padded_shard_numel(s.shard_size) * s.shard_size // k * s.param_bytes for p in u.params]
+        sizes = [p.padded_shard_numel(s.shard_size) * s.shard_size // k * gathered_itemsize(p, s) for p in u.params]
         kept = [g.alloc(COMPUTE, f"{u.name} params resharded to {k} after forward", "unsharded_params", sizes[0])]
         clone = g.add("copy", COMPUTE, f"{u.name} reshard to groups of {k} (clone 1/{k})", hbm_bytes=2 * sum(sizes))
         self.reshard(u)

@@ -107,6 +107,8 @@ class GradientReduction:
                 g.free(RS, rs_out)
         if partial is not None:  # PG:post_backward: self._partial_reduce_output = None
             g.free(RS, partial)
+        if s.offload_params:  # CPUOffloadPolicy: the sharded gradient goes to the host (offload.py)
+            event = self.offload_sharded_grads(u, post_reduce_stream, event)
         self.last_post_reduce_events[post_reduce_stream] = event
 
 
@@ -118,6 +120,13 @@ def gradient_divide_factors(reduce_dtype: str, data_parallel_size: int) -> tuple
     """
     if reduce_dtype in ("fp32", "bf16"):
         return None, None
+    return sum_divide_factors(data_parallel_size)
+
+
+def sum_divide_factors(data_parallel_size: int) -> tuple[float | None, float | None]:
+    """The (pre, post) divide kernels around a SUM reduction over `data_parallel_size` ranks, None if none:
+    a power of two about sqrt(N) before, the rest after (`DefaultState._get_gradient_predivide_factor`,
+    which FSDP1 applies whatever the dtype and FSDP2 for fp16)."""
     factor = float(data_parallel_size)
     pre = 1
     while factor % pre == 0 and factor / pre > pre:

@@ -63,6 +63,28 @@ class FSDPSettings:
     requires_gradient_sync: bool = True
     requires_all_reduce: bool = True
     reshard_after_backward: bool = True
+    # torchtitan's activation-checkpoint mode (none | full | selective_layer | selective_op) and, for
+    # selective_layer, its selective_ac_option k; `activation_checkpointing` is True for `full` only
+    ac_mode: str = "none"
+    ac_every: int = 1
+    offload_params: bool = False  # offload_policy=CPUOffloadPolicy(pin_memory=True): state in pinned host memory (offload.py)
+    activation_offload: bool = False  # the model's forward under torch.autograd.graph.save_on_cpu(pin_memory=True)
+    # FSDP1 (`version: 1`, FullyShardedDataParallel, schedule/fsdp1.py): its ShardingStrategy, BackwardPrefetch
+    # (None: off), the rate limiter and use_orig_params; forward_prefetch is 0 or 1 there
+    version: int = 2
+    sharding_strategy: str = "FULL_SHARD"
+    fsdp1_backward_prefetch: str | None = "BACKWARD_PRE"
+    limit_all_gathers: bool = True
+    use_orig_params: bool = False
+    # tensor parallel (schedule/tp.py): ranks per TP group, the plan's sequence parallelism; the shard and
+    # replicate groups above are then the data-parallel mesh's (world / tp ranks)
+    tp: int = 1
+    sequence_parallel: bool = False
+    # torchao float8 training (schedule/float8.py): the float8 Linears' weights by name, FSDP's float8
+    # all-gather (enable_fsdp_float8_all_gather) and precompute_float8_dynamic_scale_for_fsdp
+    float8_weights: frozenset[str] = frozenset()
+    float8_all_gather: bool = False
+    float8_precompute_scale: bool = False
 
     param_bytes: int = field(init=False)
     reduce_bytes: int = field(init=False)

@@ -128,11 +128,18 @@ def traced_reference_workload(cfg, *, batch: int, seq: int, param_dtype: str = "
     return trace_module(model, (ids,), loss_fn=loss_fn, dtype=param_dtype, emulate_cuda=False, name="reference")
 
 
-def simulate_reference(cfg, *, workload_file: str | None = None, **settings) -> dict:
+def simulate_reference(cfg, *, workload_file: str | None = None, model_keys: dict | None = None,
+                       training_keys: dict | None = None, sections: dict | None = None, **settings) -> dict:
     """fsdp-sim's peak allocated bytes and its categories, in FSDPMemTracker's category names.
 
-    With `workload_file` (a saved traced workload) the model comes from it instead of the dimensions."""
+    With `workload_file` (a saved traced workload) the model comes from it instead of the dimensions;
+    `model_keys` adds scenario keys to the model section (`frozen`, `lora`: `lora_referee.py`),
+    `training_keys` to the training section (`loss`, `ac_every`: `technique_referee.py`), `sections` whole
+    sections (`parallelism`: `tp_referee.py`)."""
     data = reference_scenario(cfg, **settings)
+    data["model"] |= model_keys or {}
+    data["training"] |= training_keys or {}
+    data |= sections or {}
     if workload_file is not None:  # the trace fixed the batch shape
         data["model"] = {"workload": workload_file}
         del data["training"]["micro_batch"], data["training"]["seq_len"]

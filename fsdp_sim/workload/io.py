@@ -20,7 +20,7 @@ import yaml
 from fsdp_sim.dtypes import DTYPE_BYTES
 from fsdp_sim.datafile import read_data, reject_unknown_keys
 from fsdp_sim.errors import ScenarioError, show
-from fsdp_sim.workload.model import KERNEL_KINDS, Kernel, Module, Param, Workload
+from fsdp_sim.workload.model import ATEN_OPS, KERNEL_KINDS, Kernel, Module, Param, Workload
 
 # key -> kind of value: "str", "int" (non-negative), "float" (finite, non-negative), "bool", "dtype",
 # "shape", "names" (list of str), "time" (float or null), "mapping"; plus the nested lists.
@@ -34,7 +34,8 @@ _MODULE_KEYS = {"name": "str", "kind": "str", "params": "params", "tied_params":
 _PARAM_KEYS = {"name": "str", "shape": "shape", "dtype": "dtype", "trainable": "bool"}
 _KERNEL_KEYS = {"name": "str", "kind": "kernel_kind", "shape": "shape", "bytes": "float", "bwd_bytes": "float",
                 "launches": "int", "bwd_launches": "int", "causal": "bool", "recompute": "bool",
-                "input_grad": "bool"}
+                "input_grad": "bool", "weight_grad": "bool", "aten_op": "aten_op", "output_saved": "bool",
+                "dtype": "kernel_dtype"}
 # limits that keep every sum exact and finite (the scenario's size check states the tighter ones)
 MAX_NAME, MAX_INT, MAX_DIM, MAX_FLOAT, MAX_TIME_S = 1000, 1 << 56, 1 << 48, 1e30, 1e6
 MAX_MODULES = 5000  # the scenario's MAX_MODULE_PASSES at one micro-batch
@@ -132,6 +133,14 @@ def _value(kind: str, value: Any, where: str) -> Any:
     if kind == "kernel_kind":
         if not isinstance(value, str) or value not in KERNEL_KINDS:
             raise ScenarioError(f"{where}: unknown kernel kind {show(value)}, expected one of {list(KERNEL_KINDS)}")
+        return value
+    if kind == "kernel_dtype":  # a GEMM in another dtype than the compute dtype: "" (none) or fp8 (float8.py)
+        if value not in ("", "fp8"):
+            raise ScenarioError(f"{where}: {show(value)} is not one of ['', 'fp8']")
+        return value
+    if kind == "aten_op":
+        if value not in ATEN_OPS:
+            raise ScenarioError(f"{where}: {show(value)} is not one of {list(ATEN_OPS)}")
         return value
     if kind == "str":
         if not isinstance(value, str) or not value or not value.isprintable() or len(value) > MAX_NAME:

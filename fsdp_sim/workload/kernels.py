@@ -18,10 +18,11 @@ UNFUSED_NORM_LAUNCHES = 8  # HF LlamaRMSNorm / composite RMSNorm forward kernels
 ROPE_LAUNCHES_PER_TENSOR = 5  # rotary embedding on q or k, eager (component-timing §4.2)
 
 
-def gemm(name: str, m: int, n: int, k: int, *, recompute: bool = True, input_grad: bool = True) -> Kernel:
+def gemm(name: str, m: int, n: int, k: int, *, recompute: bool = True, input_grad: bool = True, aten_op: str = "",
+         output_saved: bool = False) -> Kernel:
     """`nn.Linear` on m tokens, k -> n features (a bias is fused into `addmm`)."""
     return Kernel(name, "gemm", (m, n, k), launches=1, bwd_launches=2 if input_grad else 1, recompute=recompute,
-                  input_grad=input_grad)
+                  input_grad=input_grad, aten_op=aten_op, output_saved=output_saved)
 
 
 def elementwise(name: str, nbytes: float, bwd_bytes: float, *, launches: int = 1, bwd_launches: int = 1,
@@ -41,8 +42,14 @@ def block_kernels(d, b: int, s: int, p: int, *, causal: bool) -> tuple[Kernel, .
     tok, h, f = b * s, d.hidden, d.ffn
     qd, kvd = d.q_dim, d.kv * d.head_dim
     fused_norm = d.norm == "layernorm" or d.norm_impl == "fused"
+    # a 3-D Linear dispatches aten.mm without a bias, aten.addmm with one (ATen's `linear`); autograd keeps
+    # a projection's output when SDPA takes it as it is: q without rotary embedding, k and v unexpanded
+    mm = "addmm" if d.bias else "mm"
+    mha = d.kv == d.heads
     ks = [norm("attention_norm", tok, h, p, fused=fused_norm),
-          gemm("wq", tok, qd, h), gemm("wk", tok, kvd, h), gemm("wv", tok, kvd, h)]
+          gemm("wq", tok, qd, h, aten_op=mm, output_saved=d.learned_pos),
+          gemm("wk", tok, kvd, h, aten_op=mm, output_saved=d.learned_pos and mha),
+          gemm("wv", tok, kvd, h, aten_op=mm, output_saved=mha)]
     if not d.learned_pos:  # rotary position embedding on q and k (GPT-2 style models add positions instead)
         rope = 2 * tok * (qd + kvd) * p
         ks.append(Kernel("rotary embedding", "rope", (tok, qd + kvd), bytes=rope, bwd_bytes=rope, launches=2 * ROPE_LAUNCHES_PER_TENSOR,
@@ -51,25 +58,26 @@ def block_kernels(d, b: int, s: int, p: int, *, causal: bool) -> tuple[Kernel, .
         expand = 2 * tok * (kvd + qd) * p
         ks.append(elementwise("repeat k, v", expand, expand, launches=2, bwd_launches=2))
     if d.attention == "sdpa":
-        ks.append(Kernel("scaled_dot_product_attention", "attention", (b, d.heads, s, d.head_dim), causal=causal))
+        ks.append(Kernel("scaled_dot_product_attention", "attention", (b, d.heads, s, d.head_dim), causal=causal,
+                         aten_op="sdpa", output_saved=True))  # its output and logsumexp: saved by itself (and wo)
     else:  # q @ k^T, scale, mask, softmax (and dropout), @ v
         ks.append(Kernel("attention (explicit scores)", "attention_eager", (b, d.heads, s, d.head_dim), causal=causal,
                          launches=5 + d.dropout, bwd_launches=8 + d.dropout))
     residual = 3 * tok * h * p  # read both summands, write the sum; backward adds the two gradient paths
-    ks += [gemm("wo", tok, h, qd), elementwise("attention residual add", residual, residual),
+    ks += [gemm("wo", tok, h, qd, aten_op=mm), elementwise("attention residual add", residual, residual),
            norm("ffn_norm", tok, h, p, fused=fused_norm)]
     if d.dropout:
         drop = 2 * tok * h * p + tok * h  # read, write, one-byte mask
         ks.insert(len(ks) - 1, elementwise("attention output dropout", drop, drop))
     if d.mlp == "swiglu":
-        ks += [gemm("w1", tok, f, h), gemm("w3", tok, f, h),
+        ks += [gemm("w1", tok, f, h, aten_op=mm, output_saved=True), gemm("w3", tok, f, h, aten_op=mm, output_saved=True),
                Kernel("silu(w1) * w3", "activation", (tok, f), bytes=3 * tok * f * p, bwd_bytes=5 * tok * f * p,
                       launches=2, bwd_launches=4)]
     else:
-        ks += [gemm("w1", tok, f, h),
+        ks += [gemm("w1", tok, f, h, aten_op=mm, output_saved=True),
                Kernel("gelu", "activation", (tok, f), bytes=2 * tok * f * p, bwd_bytes=3 * tok * f * p, launches=1, bwd_launches=1)]
     # after w2's input, the last tensor the block saves: a non-reentrant recompute stops before these
-    ks.append(gemm("w2", tok, h, f, recompute=False))
+    ks.append(gemm("w2", tok, h, f, recompute=False, aten_op=mm))
     if d.dropout:
         ks.append(elementwise("mlp output dropout", 2 * tok * h * p + tok * h, 2 * tok * h * p + tok * h, recompute=False))
     ks.append(elementwise("mlp residual add", residual, residual, recompute=False))
@@ -82,10 +90,12 @@ def embedding_kernels(tok: int, hidden: int, vocab: int, p: int) -> tuple[Kernel
                         bwd_launches=3),)
 
 
-def loss_kernels(tok: int, vocab: int, p: int) -> tuple[Kernel, ...]:
-    """`cross_entropy(logits.float())`: the upcast, then log_softmax + nll_loss; backward the reverse."""
-    cast = tok * vocab * (p + 4) if p != 4 else 0
-    ks = (Kernel("log_softmax + nll_loss", "cross_entropy", (tok, vocab), bytes=2 * tok * vocab * 4, bwd_bytes=2 * tok * vocab * 4,
+def loss_kernels(tok: int, vocab: int, p: int, *, upcast: bool = True) -> tuple[Kernel, ...]:
+    """`cross_entropy(logits.float())`: the upcast, then log_softmax + nll_loss; backward the reverse.
+    Without `upcast`, `cross_entropy(logits)` in the logits' own dtype."""
+    cast = tok * vocab * (p + 4) if p != 4 and upcast else 0
+    q = 4 if upcast else p
+    ks = (Kernel("log_softmax + nll_loss", "cross_entropy", (tok, vocab), bytes=2 * tok * vocab * q, bwd_bytes=2 * tok * vocab * q,
                  launches=3, bwd_launches=4),)
     return ((elementwise("logits to fp32", cast, cast),) if cast else ()) + ks
 

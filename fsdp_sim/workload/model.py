@@ -46,6 +46,7 @@ class Param:
 
 KERNEL_KINDS = ("gemm", "attention", "attention_eager", "norm", "norm_unfused", "rope", "activation",
                 "elementwise", "cross_entropy")
+ATEN_OPS = ("", "mm", "addmm", "sdpa")  # `Kernel.aten_op`: what a selective-checkpoint policy keys on
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,13 @@ class Kernel:
     causal: bool = False
     recompute: bool = True
     input_grad: bool = True  # gemm: False when its input needs no gradient (a patch conv on pixels)
+    # the ATen op it dispatches where a selective-checkpoint policy keys on it ("mm": a Linear without
+    # bias, "addmm": with one, "sdpa": a fused attention op), "" where unknown; and whether autograd
+    # keeps its output for backward anyway (SDPA saves q and v, SiLU its input): see checkpointing.py
+    aten_op: str = ""
+    output_saved: bool = False
+    weight_grad: bool = True  # gemm: False when its weight is frozen (requires_grad=False: no dW GEMM)
+    dtype: str = ""  # gemm: the dtype it runs in when not the compute dtype ("fp8": torchao's Float8Linear)
 
     @property
     def fwd_flops(self) -> float:
@@ -90,11 +98,11 @@ class Kernel:
 
     @property
     def bwd_flops(self) -> float:
-        """Two GEMMs per forward GEMM (one without an input gradient); attention's backward is 2.5x its
-        forward (5 bmm against 2, `torch/utils/flop_counter.py` sdpa backward; flash-attention's benchmark
-        counts the same)."""
+        """Two GEMMs per forward GEMM (none for an input without a gradient or a frozen weight); attention's
+        backward is 2.5x its forward (5 bmm against 2, `torch/utils/flop_counter.py` sdpa backward;
+        flash-attention's benchmark counts the same)."""
         if self.kind == "gemm":
-            return self.fwd_flops * (2.0 if self.input_grad else 1.0)
+            return self.fwd_flops * (float(self.input_grad) + float(self.weight_grad))
         return self.fwd_flops * 2.5
 
 

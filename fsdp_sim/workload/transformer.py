@@ -12,6 +12,7 @@ The byte counts come from listing, op by op, the tensors autograd saves in a pre
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from fsdp_sim.dtypes import itemsize
 from fsdp_sim.errors import ScenarioError, show
@@ -205,6 +206,7 @@ def block_activations(d: TransformerDims, b: int, s: int, p: int) -> BlockActiva
                             saves_input=norm.keeps_input)
 
 
+@lru_cache(maxsize=256)  # a sweep's points share shapes (a 10,000-point grid has 125); a Workload is frozen
 def build_transformer(d: TransformerDims, *, micro_batch: int, seq_len: int, act_dtype: str, name: str) -> Workload:
     """The workload of one forward/backward of a decoder LM with a cross-entropy loss on fp32 logits."""
     if micro_batch <= 0 or seq_len <= 0:
@@ -257,5 +259,7 @@ def build_transformer(d: TransformerDims, *, micro_batch: int, seq_len: int, act
     # what the kernels of one forward and backward execute (no recompute): matmuls, and attention as a
     # causal flash kernel runs it (half the s x s scores; backward 2.5x forward) -- the time model's count
     model_flops = sum(m.fwd_flops + m.bwd_flops for m in modules)
+    # the norms' kernel, for transforms that change what they save (a frozen weight: workload/frozen.py)
+    norm_impl = "fused" if d.norm == "layernorm" else d.norm_impl
     return Workload(name=name, modules=tuple(modules), activation_dtype=act_dtype,
-                    input_bytes=2 * tok * 8, tokens=tok, model_flops=float(model_flops))
+                    input_bytes=2 * tok * 8, tokens=tok, model_flops=float(model_flops), meta={"norm_impl": norm_impl})
