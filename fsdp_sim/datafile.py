@@ -34,6 +34,18 @@ def reject_unknown_keys(where: str, data: dict, allowed) -> None:
             raise ScenarioError(f"{prefix}{key}: unknown key, expected one of {sorted(allowed)}")
 
 
+def check_mapping(where: str, data: Any, required: set[str], optional: set[str] = frozenset()) -> dict:
+    """`data` as a mapping with every `required` key and no key outside `required | optional` (profile
+    sections: every figure must be there, a misspelt one must not pass unseen)."""
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{where}: must be a mapping")
+    if unknown := sorted(map(str, set(data) - required - optional)):
+        raise ScenarioError(f"{where}.{unknown[0]}: unknown key, expected {sorted(required | optional)}")
+    if missing := sorted(required - set(data)):
+        raise ScenarioError(f"{where}.{missing[0]}: missing")
+    return data
+
+
 def check_tree(data: Any, key: str, *, strict_keys: bool = True) -> None:
     """Refuse nesting deeper than MAX_DEPTH, an alias expansion past MAX_EXPANDED values, a value that
     contains itself, and (`strict_keys`) a mapping key that is not a string. Each shared list or mapping is

@@ -17,6 +17,7 @@ import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
+from fsdp_sim.datafile import check_mapping
 from fsdp_sim.errors import ScenarioError, show
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -143,16 +144,6 @@ class Fabric:
 
 
 # ---- loading --------------------------------------------------------------------------------------
-def _mapping(where: str, data, keys: set[str]) -> dict:
-    if not isinstance(data, dict):
-        raise ScenarioError(f"{where}: must be a mapping")
-    if unknown := sorted(set(data) - keys):
-        raise ScenarioError(f"{where}.{unknown[0]}: unknown key, expected {sorted(keys)}")
-    if missing := sorted(keys - set(data)):
-        raise ScenarioError(f"{where}.{missing[0]}: missing")
-    return data
-
-
 # the largest value of each kind of figure, and the smallest of a rate: far outside any real fabric, so
 # that every collective's time stays finite
 _LIMITS = {"latency": (0.0, 1.0), "rate": (1e-3, 1e16), "count": (1, 1 << 20), "size": (1.0, 2.0 ** 60),
@@ -196,7 +187,7 @@ def check_network_value(where: str, key: str, value):
 
 
 def _curve(where: str, data) -> SizeCurve:
-    data = _mapping(where, data, {"collective", "ranks", "nodes", "latency_s", "size_bytes", "busbw_GBps"})
+    data = check_mapping(where, data, {"collective", "ranks", "nodes", "latency_s", "size_bytes", "busbw_GBps"})
     if not isinstance(data["collective"], str) or data["collective"] not in KINDS:
         raise ScenarioError(f"{where}.collective: {show(data['collective'])} is not one of {list(KINDS)}")
     ranks, nodes = _positive(f"{where}.ranks", data["ranks"], integer=True), _positive(f"{where}.nodes", data["nodes"], integer=True)
@@ -219,18 +210,18 @@ def _curve(where: str, data) -> SizeCurve:
 
 def parse_fabric(data, where: str, gpus_per_node: int) -> Fabric:
     """`data` is a profile's `fabric:` mapping; `where` prefixes error messages (`<path>: fabric`)."""
-    data = _mapping(where, data, {"scale_up", "nccl_channels", "ring", "nvls", "network"})
+    data = check_mapping(where, data, {"scale_up", "nccl_channels", "ring", "nvls", "network"})
     if not isinstance(data["scale_up"], str) or data["scale_up"] not in SCALE_UP_LINKS:
         raise ScenarioError(f"{where}.scale_up: {show(data['scale_up'])} is not one of {sorted(SCALE_UP_LINKS)}")
-    ring = _mapping(f"{where}.ring", data["ring"], {f"{k}_busbw_Bps" for k in KINDS} | {"hop_latency_s", "size_curve"})
+    ring = check_mapping(f"{where}.ring", data["ring"], {f"{k}_busbw_Bps" for k in KINDS} | {"hop_latency_s", "size_curve"})
     ring = Ring(*(_positive(f"{where}.ring.{k}_busbw_Bps", ring[f"{k}_busbw_Bps"]) for k in KINDS),
                 _positive(f"{where}.ring.hop_latency_s", ring["hop_latency_s"]), _curve(f"{where}.ring.size_curve", ring["size_curve"]))
     nvls = None
     if data["nvls"] is not None:
-        raw = _mapping(f"{where}.nvls", data["nvls"], {"all_reduce_busbw_Bps", "hop_latency_s", "size_curve"})
+        raw = check_mapping(f"{where}.nvls", data["nvls"], {"all_reduce_busbw_Bps", "hop_latency_s", "size_curve"})
         nvls = Nvls(_positive(f"{where}.nvls.all_reduce_busbw_Bps", raw["all_reduce_busbw_Bps"]),
                     _positive(f"{where}.nvls.hop_latency_s", raw["hop_latency_s"]), _curve(f"{where}.nvls.size_curve", raw["size_curve"]))
-    raw = _mapping(f"{where}.network", data["network"], set(NETWORK_SCALARS) | {"size_curve"})
+    raw = check_mapping(f"{where}.network", data["network"], set(NETWORK_SCALARS) | {"size_curve"})
     network = Network(*(check_network_value(f"{where}.network.{k}", k, raw[k]) for k in NETWORK_SCALARS),
                       _curve(f"{where}.network.size_curve", raw["size_curve"]))
     return Fabric(data["scale_up"], gpus_per_node, _positive(f"{where}.nccl_channels", data["nccl_channels"], integer=True),

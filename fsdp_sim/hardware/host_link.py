@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp_sim.errors import ScenarioError, show
-from fsdp_sim.hardware.fabric import _mapping
+from fsdp_sim.datafile import check_mapping
 
 H2D, D2H, CPU = "h2d", "d2h", "cpu"  # the `group` of a host-link copy or of work on the CPU (schedule/offload.py)
 HOST_GROUPS = (H2D, D2H, CPU)
@@ -46,7 +46,7 @@ class HostLink:
 
 def parse_host(data, where: str, gpus_per_node: int) -> HostLink:
     """A profile's `host:` mapping, keys checked exactly, figures positive, `gpus_per_link` a divisor of the node."""
-    data = _mapping(where, data, _KEYS)
+    data = check_mapping(where, data, _KEYS)
     if data["link"] not in LINKS:
         raise ScenarioError(f"{where}.link: {show(data['link'])} is not one of {list(LINKS)}")
     for key, low, high in (("h2d_Bps", 1e8, 1e13), ("d2h_Bps", 1e8, 1e13), ("memory_bytes", 1 << 30, 1 << 50)):

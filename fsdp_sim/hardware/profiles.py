@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
-from fsdp_sim.datafile import read_data
+from fsdp_sim.datafile import check_mapping, read_data
 from fsdp_sim.dtypes import DTYPE_BYTES
 from fsdp_sim.errors import ScenarioError, show
 from fsdp_sim.hardware.fabric import Fabric, Network, parse_fabric
@@ -104,17 +104,8 @@ def _number(path: str, key: str, value, *, integer: bool = False) -> float:
     return int(value) if integer else float(value)
 
 
-def _check_keys(path: str, where: str, data, expected: set[str], optional: set[str] = frozenset()) -> None:
-    if not isinstance(data, dict):
-        raise ScenarioError(f"{path}: {where} must be a mapping")
-    if unknown := sorted(set(data) - expected - optional):
-        raise ScenarioError(f"{path}: unknown key {where}{unknown[0]!r}, expected {sorted(expected | optional)}")
-    if missing := sorted(expected - set(data)):
-        raise ScenarioError(f"{path}: missing key {where}{missing[0]!r}")
-
-
 def parse_profile(data, path: str) -> GpuProfile:
-    _check_keys(path, "", data, _TOP_KEYS, _OPTIONAL_KEYS)
+    check_mapping(path, data, _TOP_KEYS, _OPTIONAL_KEYS)
     peaks = data["peak_flops"]
     if not isinstance(peaks, dict) or not peaks or not all(k in DTYPE_BYTES for k in peaks):
         raise ScenarioError(f"{path}: peak_flops must map dtypes ({', '.join(DTYPE_BYTES)}) to FLOP/s")
