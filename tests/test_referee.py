@@ -53,7 +53,8 @@ TRACED_SETTER_CASES = {"hpz-2", "torchtitan-wrap-fp32-head"}
 def test_fsdp2_setters_agree_with_fsdp_mem_tracker(case_id, model, run, tmp_path):
     """hpZ, HSDP on a (2, 4) mesh, explicit prefetch depths, an explicit root reshard, the reduce dtype
     left unset, torchtitan's wrapping with an fp32 head, set_requires_all_reduce and
-    set_reshard_after_backward in gradient accumulation: the peak within 2 %."""
+    set_reshard_after_backward in gradient accumulation, fp16 parameters and bf16 / fp16 reduction: the peak
+    within 2 %."""
     cfg = ReferenceConfig(**(BASE | model))
     settings = case_settings(run)
     tracker = run_fsdp_mem_tracker(cfg, **settings)

@@ -259,7 +259,7 @@ def run_fsdp_mem_tracker(
         raise ValueError("activation_checkpointing must be 'none' or 'full'")
     if iterations < 2:
         raise ValueError("iterations must be >= 2 (the first iteration is not compared)")
-    dtype_of = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    dtype_of = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
     if dist.is_initialized():
         if dist.get_backend() != "fake":

@@ -43,7 +43,8 @@ CASES = [
                                         "max_seq": 128, "mlp": "gelu", "ffn_hidden": 1024}, {}),
 ]
 
-# The FSDP2 setters (issue #7 section 2), each against the tracker; gated at 2 % on the peak. SMALL is a
+# The FSDP2 setters (issue #7 section 2) and the other MixedPrecisionPolicy dtypes (fp16 params, bf16 and fp16
+# reduction), each against the tracker; gated at 2 % on the peak. SMALL is a
 # step whose parameters, not the logits, set the peak, so the knobs that move parameter memory show there.
 SMALL = {"batch": 1, "seq": 32}
 SETTER_CASES = [
@@ -63,6 +64,10 @@ SETTER_CASES = [
      SMALL | {"world_size": 8, "shard_size": 4, "grad_accumulation": 3, "requires_all_reduce": False}),
     ("accumulation-2-no-reshard-after-backward", {"vocab": 512},
      SMALL | {"grad_accumulation": 2, "reshard_after_backward": False}),
+    ("fp16-params", {}, {"param_dtype": "fp16"}),
+    ("fp16-params-fp16-reduce-small-batch", {"vocab": 512}, SMALL | {"param_dtype": "fp16", "reduce_dtype": "fp16"}),
+    ("reduce-dtype-bf16", {}, {"reduce_dtype": "bf16"}),
+    ("reduce-dtype-bf16-small-batch", {"vocab": 512}, SMALL | {"reduce_dtype": "bf16"}),
 ]
 
 

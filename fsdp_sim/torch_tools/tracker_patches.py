@@ -29,7 +29,7 @@ CATEGORIES = (
 )
 
 _TOTAL = "Total"
-_DTYPES = ("fp32", "bf16")
+_DTYPES = ("fp32", "bf16", "fp16")
 
 
 def _import_torch():
