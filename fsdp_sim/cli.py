@@ -179,9 +179,11 @@ def _sweep(args: argparse.Namespace) -> int:
             writer.writerows(rows)
             _write(args.output, out.getvalue())
     if not args.quiet:
-        print("  ".join(f"{k:>20}" for k in keys) + f"{'step time':>12}{'tok/s/GPU':>11}{'peak alloc':>12}{'required':>12}  fits")
-        for row in rows:
-            swept = "  ".join(f"{'-' if row[k] is None else str(row[k]):>20}" for k in keys)
+        shown = [{k: "-" if row[k] is None else str(row[k]) for k in keys} for row in rows]
+        width = {k: max([20, len(k)] + [len(v[k]) for v in shown]) for k in keys}  # a named choice may be longer
+        print("  ".join(f"{k:>{width[k]}}" for k in keys) + f"{'step time':>12}{'tok/s/GPU':>11}{'peak alloc':>12}{'required':>12}  fits")
+        for row, values in zip(rows, shown):
+            swept = "  ".join(f"{values[k]:>{width[k]}}" for k in keys)
             if row["error"]:
                 print(f"{swept}  error: {row['error']}")
             else:
