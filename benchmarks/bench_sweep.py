@@ -1,57 +1,69 @@
-"""Configurations per second of a 10,000-point llama3-8b sweep (8x H100), on all cores.
+"""Configurations per second of the 10,000-point llama3-8b sweep (8x H100), in wall and CPU time.
 
-The grid: micro-batch 1..25 x seq_len 1024..16384 (5) x wrap (per block, every 2 / 4 / 8 blocks, whole
-model) x backward prefetch x activation checkpointing x FULL_SHARD / SHARD_GRAD_OP x reduce dtype fp32 /
-bf16 = 10,000 points. Points run in a fixed shuffled order in chunks of CHUNK until the time budget is
-spent; the rate of what ran is extrapolated to all 10,000. Then one core's cost per point, split into
-parsing, simulating, and reducing to a row (against the full `to_dict()` a `run` builds).
+The grid is `benchmarks/llama3-8b-10k.grid.yaml` over `scenarios/llama3-8b-8xh100.yaml`: micro-batch 1..25 x
+seq_len 1024..16384 (5) x wrap (per block, every 2 / 4 / 8 blocks, whole model) x backward prefetch x
+activation checkpointing x FULL_SHARD / SHARD_GRAD_OP x reduce dtype fp32 / bf16. Points run in a fixed
+shuffled order in chunks of CHUNK until the budget is spent (`all`: every point); the rate of what ran is
+extrapolated to all 10,000. CPU time is this process's and its finished workers' (`resource`), so other
+work on a shared machine does not count; wall time is what a user waits.
+
+Then one core's cost per point: parsing, simulating and reducing to a row (against the full `to_dict()`
+a `run` builds), and where a point's time goes by phase (cProfile's shares of parse, graph build, pricing
+and play, memory replay, row, scaled to the unprofiled time).
 
 EXECUTORS (comma-separated, default local) are where the points run (fsdp_sim/executors.py): `local`
 processes, `dask-local` (a Dask LocalCluster of JOBS single-threaded worker processes; its start-up is
 timed apart), or `dask=ADDRESS` (an existing cluster). Each gets the same budget.
 
-Run: python benchmarks/bench_sweep.py [BUDGET_S=60] [JOBS=all cores] [EXECUTORS=local]
-e.g. python benchmarks/bench_sweep.py 60 2 local,dask-local
+Run: python benchmarks/bench_sweep.py [BUDGET_S=60 | all] [JOBS=all cores] [EXECUTORS=local]
+e.g. python benchmarks/bench_sweep.py all 2 local
 """
 
 from __future__ import annotations
 
-import os
+import cProfile
+import pstats
 import random
-import statistics
+import resource
 import sys
 import time
 from pathlib import Path
 
 from fsdp_sim.datafile import read_data
 from fsdp_sim.executors import open_runner
-from fsdp_sim.grid import Axis, combine
+from fsdp_sim.grid import combine, load_grid
 from fsdp_sim.scenario import parse_scenario
 from fsdp_sim.simulate import simulate
-from fsdp_sim.sweep import _row, points, sweep_points
+from fsdp_sim.sweep import _row, points, run_point, sweep_points
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = ROOT / "scenarios" / "llama3-8b-8xh100.yaml"
+GRID = ROOT / "benchmarks" / "llama3-8b-10k.grid.yaml"
 CHUNK = 1000
-AXES = [
-    Axis.of("training.micro_batch", list(range(1, 26))),
-    Axis.of("training.seq_len", [1024, 2048, 4096, 8192, 16384]),
-    Axis("wrap", ({"fsdp.wrap": "per_block"}, *({"fsdp.wrap": "every_k_blocks", "fsdp.blocks_per_unit": k}
-                                               for k in (2, 4, 8)), {"fsdp.wrap": "whole_model"})),
-    Axis.of("fsdp.backward_prefetch", [True, False]),
-    Axis.of("training.activation_checkpointing", ["none", "full"]),
-    Axis("sharding", ({"fsdp.sharding_strategy": "FULL_SHARD", "fsdp.reshard_after_forward": True},
-                      {"fsdp.sharding_strategy": "SHARD_GRAD_OP", "fsdp.reshard_after_forward": False})),
-    Axis.of("fsdp.mixed_precision.reduce_dtype", ["fp32", "bf16"]),
-]
+# the phases of a point, as the functions that run them (file suffix, function name)
+PHASES = {"parse": ("fsdp_sim/scenario.py", "parse_scenario"), "graph": ("fsdp_sim/schedule/fsdp2.py", "build_fsdp2_step"),
+          "play": ("fsdp_sim/engine/simulator.py", "play"), "replay": ("fsdp_sim/engine/ledger.py", "replay"),
+          "row": ("fsdp_sim/sweep.py", "_row")}
 
 
-def throughput(budget_s: float, jobs: int | None, executor: str = "local") -> None:
-    base = read_data(SCENARIO, "scenario")  # parsed once for the whole sweep
-    todo = [data for _, data in points(base, combine(AXES, []))]
+def _todo() -> list[dict]:
+    base = read_data(SCENARIO, "scenario")  # read once for the whole sweep
+    todo = [data for _, data in points(base, combine(load_grid(str(GRID)), []))]
     random.Random(0).shuffle(todo)
+    return todo
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its children that have finished (the pool's, once closed)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def throughput(budget_s: float, jobs: int | None, executor: str = "local") -> tuple:
+    todo = _todo()
     name, _, scheduler = executor.partition("=")
     t_open = time.perf_counter()
+    cpu0 = _cpu_s()
     with open_runner(name, jobs=jobs, scheduler=scheduler or None) as runner:
         started = time.perf_counter() - t_open
         workers = runner.workers() if hasattr(runner, "client") else getattr(runner, "jobs", 1)
@@ -61,37 +73,62 @@ def throughput(budget_s: float, jobs: int | None, executor: str = "local") -> No
             errors += sum(bool(r["error"]) for r in rows)
             done += len(rows)
         elapsed = time.perf_counter() - t0
-    rate = done / elapsed
-    print(f"sweep [{name}]: {done:,} of {len(todo):,} llama3-8b configurations in {elapsed:.1f} s: {rate:.0f} "
-          f"configurations/s on {workers} workers ({errors} rows with errors; start-up {started:.1f} s apart)")
-    if done < len(todo):
-        print(f"  extrapolated: all {len(todo):,} in {len(todo) / rate:.0f} s")
+    cpu = _cpu_s() - cpu0  # workers of a remote cluster are not counted
+    return name, workers, done, len(todo), errors, elapsed, cpu, started
 
 
 def one_core(repeats: int = 30) -> None:
     base = read_data(SCENARIO, "scenario")
     parse, sim, row, full = [], [], [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         scenario = parse_scenario(base, base=SCENARIO.parent)
-        t1 = time.perf_counter()
+        t1 = time.process_time()
         result = simulate(scenario)
-        t2 = time.perf_counter()
+        t2 = time.process_time()
         _row(result)
-        t3 = time.perf_counter()
+        t3 = time.process_time()
         result._activity_cache = None  # what a `run` pays for the same figures and the rest
         result.to_dict()
-        t4 = time.perf_counter()
+        t4 = time.process_time()
         parse.append(t1 - t0), sim.append(t2 - t1), row.append(t3 - t2), full.append(t4 - t3)
-    ms = {k: 1e3 * statistics.median(v) for k, v in (("parse", parse), ("simulate", sim), ("row", row), ("to_dict", full))}
-    print(f"one core, per point (median of {repeats}): parse {ms['parse']:.1f} ms, simulate {ms['simulate']:.1f} ms, "
+    ms = {k: 1e3 * sorted(v)[len(v) // 2] for k, v in (("parse", parse), ("simulate", sim), ("row", row), ("to_dict", full))}
+    print(f"one core, the base scenario (median of {repeats}): parse {ms['parse']:.1f} ms, simulate {ms['simulate']:.1f} ms, "
           f"row {ms['row']:.1f} ms (to_dict would be {ms['to_dict']:.1f} ms)")
 
 
-if __name__ == "__main__":
-    budget = float(sys.argv[1]) if len(sys.argv) > 1 else 60.0
+def phases(n: int = 200) -> None:
+    """CPU ms per point by phase over `n` points of the grid, in this process."""
+    sample = _todo()[:n]
+    t0 = time.process_time()
+    for data in sample:
+        run_point(data, SCENARIO.parent)
+    per_point = (time.process_time() - t0) / n
+    profile = cProfile.Profile()
+    profile.runcall(lambda: [run_point(data, SCENARIO.parent) for data in sample])
+    stats = pstats.Stats(profile).stats  # (file, line, function) -> (calls, _, own s, cumulative s, callers)
+    total = max(cum for *_, cum, _ in stats.values())
+    share = {phase: sum(cum for (file, _, fn), (*_, cum, _) in stats.items() if file.endswith(suffix) and fn == name)
+             / total for phase, (suffix, name) in PHASES.items()}
+    share["other"] = 1.0 - sum(share.values())
+    print(f"one core, {n} grid points: {per_point * 1e3:.2f} CPU ms per point ({1 / per_point:.0f} configurations/s); "
+          "by phase (cProfile shares): " + ", ".join(f"{k} {v * per_point * 1e3:.2f} ms ({v:.0%})" for k, v in share.items()))
+
+
+def main() -> None:
+    budget = float("inf") if len(sys.argv) > 1 and sys.argv[1] == "all" else float(sys.argv[1]) if len(sys.argv) > 1 else 60.0
     jobs = int(sys.argv[2]) if len(sys.argv) > 2 else None
     executors = sys.argv[3].split(",") if len(sys.argv) > 3 else ["local"]
     one_core()
+    phases()
+    print(f"{'executor':<12}{'workers':>8}{'points':>9}{'wall s':>9}{'CPU s':>9}{'configs/s':>11}{'configs/CPU s':>15}"
+          f"{'s per 10,000':>14}{'CPU s per 10,000':>18}{'errors':>8}{'start-up s':>12}")
     for executor in executors:
-        throughput(budget, jobs, executor)
+        name, workers, done, total, errors, wall, cpu, started = throughput(budget, jobs, executor)
+        print(f"{name:<12}{workers:>8}{done:>9,}{wall:>9.1f}{cpu:>9.1f}{done / wall:>11.0f}{done / cpu:>15.0f}"
+              f"{total * wall / done:>14.1f}{total * cpu / done:>18.1f}{errors:>8}{started:>12.1f}")
+    print("(s per 10,000 and CPU s per 10,000 extrapolate the points run to the whole grid)")
+
+
+if __name__ == "__main__":
+    main()

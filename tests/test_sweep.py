@@ -108,3 +108,25 @@ def test_sweep_max_batch_searches_the_micro_batch(tmp_path):
     keys, rows = sweep(str(path), ["training.activation_checkpointing=none"], max_batch=True, jobs=1)
     assert keys == ["training.activation_checkpointing", "training.micro_batch"]
     assert rows[0]["fits"] and rows[0]["training.micro_batch"] > 1
+
+
+def test_prices_shared_between_points_give_each_point_its_own_cold_row(tmp_path):
+    """A sweep's process prices each op content once (`hardware/compute.py` keeps the table between steps) and
+    builds each workload once (`build_transformer` is cached): every figure of every row, first pass and
+    second, equals that point's step simulated from an empty table and a fresh workload."""
+    from fsdp_sim.hardware import compute
+    from fsdp_sim.sweep import _row, sweep_points
+    from fsdp_sim.workload.transformer import build_transformer
+
+    base = BASE | {"model": {"preset": "llama3-8b", "layers": 4}}
+    axes = [("training.micro_batch", [1, 2]), ("fsdp.wrap", ["per_block", "whole_model"]),
+            ("training.activation_checkpointing", ["none", "full"]), ("fsdp.mixed_precision.reduce_dtype", ["fp32", "bf16"])]
+    datas = [data for _, data in points(base, axes)]
+    compute._SHARED.clear()
+    rows = sweep_points(datas + datas, tmp_path, jobs=1)  # the second pass finds every price in the table
+    assert compute._SHARED and not any(row["error"] for row in rows)
+    for data, first, second in zip(datas, rows, rows[len(datas):]):
+        compute._SHARED.clear()
+        build_transformer.cache_clear()
+        cold = _row(simulate(parse_scenario(data, name="sweep", base=tmp_path)))
+        assert first == cold and second == cold

@@ -4,7 +4,8 @@ Issue order is what PyTorch's caching allocator counts (`torch.cuda.max_memory_a
 FSDPMemTracker): a free made on the CPU returns the bytes at once; FSDP2 keeps buffers alive across
 streams with references and events, which the schedule expresses as frees placed after the waits.
 Each event is stamped with the time its stream reaches it, never earlier than the previous event, so
-the timeline is monotone and its maximum is the issue-order peak.
+the timeline is monotone and its maximum is the issue-order peak. Reserved memory comes from playing the
+same events on the caching allocator model (engine/reserved.py).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fsdp_sim.engine.allocator import AllocatorConfig
+from fsdp_sim.engine.reserved import ReservedModel, replay_allocator
 from fsdp_sim.schedule.ops import CATEGORIES, Buffer, Op
 
 _CAT_INDEX = {c: i for i, c in enumerate(CATEGORIES)}
-MIN_BLOCK, SMALL_SIZE, ROUND_LARGE = 512, 1 << 20, 2 << 20  # c10 CUDACachingAllocator constants
 
 
 class LedgerError(RuntimeError):
@@ -32,7 +34,17 @@ class MemoryTrace:
     events: list[tuple[Op, Buffer, int]]  # (op, buffer, +1 alloc / -1 free), row i+1
     persistent: list[Buffer]
     live_at_end: list[Buffer]
-    reserved_bytes: int  # the caching allocator's model: see `replay`
+    allocator: ReservedModel  # the caching allocator model's prediction (engine/reserved.py)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Peak reserved (`torch.cuda.max_memory_reserved`) in the steady state."""
+        return self.allocator.reserved_bytes
+
+    @property
+    def reserved(self) -> np.ndarray:
+        """Reserved bytes after each event of a steady step (row 0: before it); never decreases."""
+        return self.allocator.timeline
 
     @property
     def total(self) -> np.ndarray:
@@ -49,56 +61,40 @@ class MemoryTrace:
         return list(live.values())
 
 
-def allocator_size(nbytes: int) -> int:
-    """Block size PyTorch's CUDA caching allocator hands out for a request: multiples of 512 B up to
-    1 MiB (kMinBlockSize, kSmallSize), multiples of 2 MiB above (kRoundLarge)."""
-    if nbytes <= SMALL_SIZE:
-        return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
-    return -(-nbytes // ROUND_LARGE) * ROUND_LARGE
-
-
-def replay(ops: list[Op], persistent: list[Buffer], start: np.ndarray) -> MemoryTrace:
+def replay(ops: list[Op], persistent: list[Buffer], start: np.ndarray, issued: np.ndarray | None = None,
+           end: np.ndarray | None = None, allocator: AllocatorConfig = AllocatorConfig()) -> MemoryTrace:
     """Apply every alloc/free op in issue order; refuse a double free or a free of a dead buffer.
 
-    Reserved memory is modelled alongside: the caching allocator keeps one pool per stream (a block
-    freed on one stream is not reused by another), each pool holds its high-water mark of rounded
-    live blocks, and the reserved total is their sum. Fragmentation inside a pool is not modelled,
-    so this is a lower bound of `torch.cuda.max_memory_reserved`.
+    `start` stamps the events; `issued` (when the CPU issues each op: when the allocator runs) and `end`
+    (when a recorded stream's work completes) time the allocator model, `start` standing in for both
+    when they are not given.
     """
-    live: dict[int, tuple[Buffer, str, int]] = {b.id: (b, "compute", allocator_size(b.nbytes)) for b in persistent}
-    level = {"compute": sum(block for _, _, block in live.values())}
-    high = dict(level)
+    live: dict[int, Buffer] = {b.id: b for b in persistent}
     initial = np.zeros(len(CATEGORIES), dtype=np.int64)
     for b in persistent:
         initial[_CAT_INDEX[b.category]] += b.nbytes
     times, cats, deltas, events = [0.0], [], [], []
     t = 0.0
-    start = start.tolist()
+    stamp = start.tolist()
     for op in ops:
         kind = op.kind
         if kind == "alloc":
             buf = op.buffer
             if buf.id in live:
                 raise LedgerError(f"buffer {buf.name!r} allocated twice")
-            pool, block = op.stream, allocator_size(buf.nbytes)
-            live[buf.id] = (buf, pool, block)
-            level[pool] = used = level.get(pool, 0) + block
-            if used > high.get(pool, 0):
-                high[pool] = used
+            live[buf.id] = buf
             deltas.append(buf.nbytes)
             events.append((op, buf, 1))
         elif kind == "free":
             buf = op.buffer
-            entry = live.pop(buf.id, None)
-            if entry is None:
+            if live.pop(buf.id, None) is None:
                 raise LedgerError(f"buffer {buf.name!r} freed twice or never allocated (op {op.name!r}, {op.phase})")
-            level[entry[1]] -= entry[2]
             deltas.append(-buf.nbytes)
             events.append((op, buf, -1))
         else:
             continue
-        if start[op.id] > t:
-            t = start[op.id]
+        if stamp[op.id] > t:
+            t = stamp[op.id]
         times.append(t)
         cats.append(_CAT_INDEX[buf.category])
     delta = np.zeros((len(deltas) + 1, len(CATEGORIES)), dtype=np.int64)  # bytes are exact integers
@@ -109,5 +105,6 @@ def replay(ops: list[Op], persistent: list[Buffer], start: np.ndarray) -> Memory
     if (levels < 0).any():
         row, col = np.argwhere(levels < 0)[0]
         raise LedgerError(f"{CATEGORIES[col]} went negative at event {row} ({events[row - 1][1].name!r})")
-    return MemoryTrace(np.array(times), levels, events, list(persistent), [b for b, _, _ in live.values()],
-                       int(sum(high.values())))
+    model = replay_allocator(ops, events, persistent, start if issued is None else issued,
+                             start if end is None else end, allocator)
+    return MemoryTrace(np.array(times), levels, events, list(persistent), list(live.values()), model)

@@ -1,10 +1,17 @@
-"""Play an op graph on SimPy: a CPU issue thread, CUDA streams as FIFO processes, NCCL lanes in issue order.
+"""Play an op graph on SimPy: a CPU issue thread, CUDA streams as FIFO queues, NCCL lanes in issue order.
 
 No FSDP knowledge lives here. The ops are in CPU issue order; the issue thread spends `host_s(op)` on each
 (eager kernel launches: Python, dispatcher, driver), so op i is issued at the running sum of those costs and
-no stream can start it earlier: a small model becomes CPU-bound as it does on a GPU. Each stream is a
-process that takes its ops in issue order; an op starts when the stream is free, it has been issued, and
-every op it waits on (a CUDA event) has finished. A collective is handed to its process group's lane,
+no stream can start it earlier: a small model becomes CPU-bound as it does on a GPU. An op with `cpu_wait`
+is issued only once the op it names has ended (a blocking `Event.synchronize()`, FSDP1's rate limiter), and
+so is everything after it (`_IssueThread`). Each stream takes its
+ops in issue order; an op starts when the stream is free, it has been issued, and every op it waits on (a
+CUDA event) has finished. A stream is a loop that runs until it must wait and leaves its resume function
+where the wait ends, not a SimPy process: only issue times and device completions are SimPy timeouts, so
+the ~80 % of ops that take no time (alloc, free) and every CUDA event cost no SimPy event. Resumptions due
+at one time run in FIFO order, as the processes they replace resumed, so the times are the same to the
+last bit (checked against the process-based player on the shipped scenarios and sweep points). A
+collective is handed to its process group's lane,
 which runs collectives one at a time in issue order (one NCCL stream per group), so an all-gather queued
 behind a reduce-scatter waits for it whatever its stream.
 
@@ -18,8 +25,10 @@ sequence number), deterministic.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from itertools import accumulate
 
 import numpy as np
@@ -46,34 +55,35 @@ class Timing:
 class _Device:
     """Runs timed ops concurrently, each at 1 / slowdown of its own speed given what else runs."""
 
-    def __init__(self, env: simpy.Environment, slowdown: Slowdown) -> None:
-        self.env, self.slowdown = env, slowdown
-        self.running: dict[int, list] = {}  # op id -> [op, remaining uncontended seconds, slowdown, done event]
+    def __init__(self, env: simpy.Environment, slowdown: Slowdown, kick: Callable[[Callable[[], None]], None]) -> None:
+        self.env, self.slowdown, self.kick = env, slowdown, kick
+        self.running: dict[int, list] = {}  # op id -> [op, remaining uncontended seconds, slowdown, then]
         self.last = 0.0
         self.generation = 0
         self.wake_at, self.wake_op = float("inf"), -1  # the pending wake-up: when, and which op it completes
         self.collectives = 0  # running collectives: without one nothing contends
         self.contended = False  # some running op's slowdown is not 1
 
-    def run(self, op: Op, work: float) -> simpy.Event:
-        self._advance()
-        done = self.env.event()
-        self.running[op.id] = [op, work, 1.0, done]
+    def run(self, op: Op, work: float, then: Callable[[], None]) -> None:
+        """Start op with `work` uncontended seconds; `then()` is queued when it completes."""
+        now = self.env.now
+        running = self.running
+        if now > self.last:
+            self._advance(now)
+        running[op.id] = [op, work, 1.0, then]
         if op.kind in COLLECTIVES:
             self.collectives += 1
         if self.collectives or self.contended:
             self._rerate()
-        elif self.wake_op not in self.running or self.env.now + work < self.wake_at:
+        elif self.wake_op not in running or now + work < self.wake_at:
             self._schedule(work, op.id)  # uncontended: only whether this op ends first matters
-        return done
 
-    def _advance(self) -> None:
-        now = self.env.now
-        if now > self.last:
-            dt = now - self.last
-            for r in self.running.values():
-                r[1] -= dt / r[2]
-            self.last = now
+    def _advance(self, now: float) -> None:
+        """Progress every running op to `now` (later than the last advance) at its rate."""
+        dt = now - self.last
+        for r in self.running.values():
+            r[1] -= dt / r[2]
+        self.last = now
 
     def _rerate(self) -> None:
         running = self.running
@@ -105,91 +115,212 @@ class _Device:
         delay = max(delay, 0.0)
         self.generation += 1
         self.wake_at, self.wake_op = self.env.now + delay, first
-        wake = self.env.timeout(delay)
-        wake.callbacks.append(lambda _e, g=self.generation, i=first: self._wake(g, i))
+        self.env.timeout(delay).callbacks.append(partial(self._wake, self.generation, first))
 
-    def _wake(self, generation: int, first: int) -> None:
+    def _wake(self, generation: int, first: int, _event: simpy.Event) -> None:
         if generation != self.generation:
             return  # the running set changed since this wake-up was scheduled
-        self._advance()
-        done = [i for i, r in self.running.items() if i == first or r[1] * r[2] <= 1e-15]
+        running = self.running
+        if (now := self.env.now) > self.last:
+            self._advance(now)
+        done = [i for i, r in running.items() if i == first or r[1] * r[2] <= 1e-15]
+        thens = []
         for i in done:
-            op, _, _, event = self.running.pop(i)
+            op, _, _, then = running.pop(i)
             if op.kind in COLLECTIVES:
                 self.collectives -= 1
-            event.succeed()
+            thens.append(then)
         self._rerate()
+        for then in thens:
+            self.kick(then)
 
 
 class _Player:
+    """Streams and lanes as resumable loops over their queues, driven by SimPy timeouts.
+
+    A stream or lane that cannot go on (an op it waits on has not finished, the CPU has not issued its
+    next op, its op runs on the device) registers the function that resumes it and returns. Resumptions
+    due at the current time go through one FIFO queue (`kick`), in the order SimPy would have resumed
+    the processes that woke, so no SimPy event is spent on a CUDA event or a stream's next op: only the
+    CPU's issue times and the device's completions are timeouts.
+    """
+
     def __init__(self, ops: list[Op], duration: Callable[[Op], float], issued: list[float],
                  slowdown: Slowdown | None) -> None:
         self.env = simpy.Environment()
-        self.ops, self.duration, self.issued = ops, duration, issued
-        self.device = _Device(self.env, slowdown) if slowdown is not None else None
+        self.ops, self.issued = ops, issued
+        self.durations = [duration(op) if op.kind in TIMED_KINDS else 0.0 for op in ops]
+        self.device = _Device(self.env, slowdown, self.kick) if slowdown is not None else None
         n = len(ops)
         self.start, self.end = [0.0] * n, [0.0] * n
         self.finished = [False] * n
         self.arrived = [False] * n
-        self.waiters: dict[int, simpy.Event] = {}
-        self.arrivals: dict[int, simpy.Event] = {}
+        self.waiters: dict[int, list[Callable[[], None]]] = {}  # op id -> what resumes when it finishes
+        self.arrivals: dict[int, Callable[[], None]] = {}  # collective id -> its lane, waiting for it
+        self.ready: deque[Callable[[], None]] = deque()
+        self.draining = False
+        self.unissued: list[Callable[[], None]] = []  # streams at an op the blocked CPU has not issued yet
+
+    def kick(self, resume: Callable[[], None]) -> None:
+        """Queue `resume` at the current time; run the queue unless it is already running."""
+        self.ready.append(resume)
+        if self.draining:
+            return
+        self.draining = True
+        ready = self.ready
+        while ready:
+            ready.popleft()()
+        self.draining = False
 
     def _finish(self, i: int) -> None:
         self.end[i] = self.env.now
         self.finished[i] = True
-        if (ev := self.waiters.pop(i, None)) is not None:
-            ev.succeed()
+        if (resumes := self.waiters.pop(i, None)) is not None:
+            self.ready.extend(resumes)
 
-    def _wait(self, i: int) -> simpy.Event:
-        ev = self.waiters.get(i)
-        if ev is None:
-            ev = self.waiters[i] = self.env.event()
-        return ev
+    def _timed(self, op: Op, dur: float, then: Callable[[], None]) -> None:
+        if self.device is None:
+            self.env.timeout(dur).callbacks.append(lambda _e: self.kick(then))
+        else:
+            self.device.run(op, dur, then)
 
-    def _timed(self, op: Op, dur: float) -> simpy.Event:
-        return self.env.timeout(dur) if self.device is None else self.device.run(op, dur)
+    def stream(self, queue: list[Op]) -> Callable[[], None]:
+        """The resume function of a stream taking `queue` in order."""
+        return _Stream(self, queue).advance
 
-    def stream(self, ops: list[Op]):
-        env, start, end, finished, waiters, issued = self.env, self.start, self.end, self.finished, self.waiters, self.issued
-        duration = self.duration
-        now = env.now  # refreshed after every yield: time only moves while this process waits
-        for op in ops:
-            i = op.id
-            for d in op.deps:
+    def lane(self, queue: list[Op]) -> Callable[[], None]:
+        """The resume function of a process group's lane: its collectives one at a time, in issue order."""
+        return _Lane(self, queue).advance
+
+
+class _Stream:
+    """A CUDA stream's queue, run from `pos` until an op must wait (alloc and free inline: the hot path).
+
+    An object, not a closure that registers itself: the player holds no stream, so when the step ends
+    nothing refers to one and reference counting frees it (a closure naming itself is a cycle that waits
+    for the garbage collector, which a sweep then pays for in the next point's parsing)."""
+
+    __slots__ = ("player", "items", "pos", "waited")
+
+    def __init__(self, player: _Player, queue: list[Op]) -> None:
+        self.player = player
+        self.items = [(op.id, op.deps, op.kind in COLLECTIVES, player.durations[op.id], op) for op in queue]
+        self.pos = 0
+        self.waited = -1  # the position whose issue time was waited for: it is not waited for again
+
+    def advance(self) -> None:
+        p, items = self.player, self.items
+        env, start, end, finished, waiters, issued, ready = p.env, p.start, p.end, p.finished, p.waiters, p.issued, p.ready
+        now = env.now
+        pos = self.pos
+        while pos < len(items):
+            i, deps, collective, dur, op = items[pos]
+            for d in deps:
                 if not finished[d]:
-                    yield self._wait(d)
-                    now = env.now
-            if issued[i] > now:
-                yield env.timeout(issued[i] - now)
-                now = env.now
-            kind = op.kind
-            if kind in COLLECTIVES:
-                self.arrived[i] = True
-                if (ev := self.arrivals.pop(i, None)) is not None:
-                    ev.succeed()
+                    self.pos = pos
+                    waiters.setdefault(d, []).append(self.advance)
+                    return
+            if self.waited != pos and issued[i] > now:
+                self.pos = pos
+                if issued[i] == _NOT_ISSUED:  # behind a CPU synchronize: resumed once it returns
+                    p.unissued.append(self.advance)
+                    return
+                self.waited = pos
+                env.timeout(issued[i] - now).callbacks.append(self._issued)
+                return
+            if collective:
+                p.arrived[i] = True
+                if (lane := p.arrivals.pop(i, None)) is not None:
+                    ready.append(lane)
                 if not finished[i]:
-                    yield self._wait(i)
-                    now = env.now
+                    self.pos = pos
+                    waiters.setdefault(i, []).append(self._next)
+                    return
+                pos += 1
                 continue
             start[i] = now
-            if kind in TIMED_KINDS and (dur := duration(op)) > 0:
-                yield self._timed(op, dur)
-                now = env.now
-            end[i], finished[i] = now, True  # inline of _finish: this loop is the engine's hot path
-            if waiters and (ev := waiters.pop(i, None)) is not None:
-                ev.succeed()
-
-    def lane(self, ops: list[Op]):
-        env = self.env
-        for op in ops:
-            if not self.arrived[op.id]:
-                ev = self.arrivals[op.id] = env.event()
-                yield ev
-            self.start[op.id] = env.now
-            dur = self.duration(op)
             if dur > 0:
-                yield self._timed(op, dur)
-            self._finish(op.id)
+                self.pos = pos
+                p._timed(op, dur, self._timed_done)
+                return
+            end[i], finished[i] = now, True
+            if waiters and (resumes := waiters.pop(i, None)) is not None:
+                ready.extend(resumes)
+            pos += 1
+        self.pos = pos
+
+    def _issued(self, _event: simpy.Event) -> None:
+        self.player.kick(self.advance)
+
+    def _timed_done(self) -> None:
+        self.player._finish(self.items[self.pos][0])
+        self._next()
+
+    def _next(self) -> None:
+        self.pos += 1
+        self.advance()
+
+
+class _Lane:
+    """A process group's NCCL stream: its collectives one at a time, each once its stream has reached it."""
+
+    __slots__ = ("player", "queue", "pos")
+
+    def __init__(self, player: _Player, queue: list[Op]) -> None:
+        self.player, self.queue, self.pos = player, queue, 0
+
+    def advance(self) -> None:
+        p, queue = self.player, self.queue
+        while self.pos < len(queue):
+            op = queue[self.pos]
+            i = op.id
+            if not p.arrived[i]:
+                p.arrivals[i] = self.advance
+                return
+            p.start[i] = p.env.now
+            if (dur := p.durations[i]) > 0:
+                p._timed(op, dur, self._done)
+                return
+            p._finish(i)
+            self.pos += 1
+
+    def _done(self) -> None:
+        self.player._finish(self.queue[self.pos].id)
+        self.pos += 1
+        self.advance()
+
+
+_NOT_ISSUED = float("inf")  # the issue time of an op the CPU has not reached past a blocking synchronize
+
+
+class _IssueThread:
+    """The CPU issue thread of a graph in which it blocks: an op with `cpu_wait` is issued only after the op it
+    waits has ended (`Event.synchronize()`, FSDP1's rate limiter), and every later op after it.
+
+    Issue times are filled in order up to the next such op whose event has not ended; the thread then waits
+    for that op to finish, as a stream waits an event, and the streams that reached an op not yet issued
+    resume when it is."""
+
+    def __init__(self, player: _Player, host: list[float], first: int) -> None:
+        self.player, self.host, self.next = player, host, first
+        self.clock = player.issued[first - 1] if first else 0.0  # when the CPU issued the op before `next`
+
+    def resume(self) -> None:
+        p, ops, issued = self.player, self.player.ops, self.player.issued
+        t = self.clock
+        while self.next < len(ops):
+            wait = ops[self.next].cpu_wait
+            if wait >= 0:
+                if not p.finished[wait]:
+                    p.waiters.setdefault(wait, []).append(self.resume)
+                    break
+                t = max(t, p.end[wait])
+            t += self.host[self.next]
+            issued[self.next] = t
+            self.next += 1
+        self.clock = t
+        p.ready.extend(p.unissued)
+        p.unissued.clear()
 
 
 def play(ops: list[Op], duration: Callable[[Op], float], *, host_s: Callable[[Op], float] | None = None,
@@ -197,19 +328,27 @@ def play(ops: list[Op], duration: Callable[[Op], float], *, host_s: Callable[[Op
     """Simulate `ops` (issue order); `duration(op)` prices timed ops alone on the GPU (alloc and free take
     no time), `host_s(op)` is the CPU issue thread's cost of op (none if omitted), `slowdown(op, running)`
     the factor >= 1 by which op runs slower beside the ops in `running` (none if omitted)."""
-    issued = list(accumulate(host_s(op) for op in ops)) if host_s is not None else [0.0] * len(ops)
+    issued = list(accumulate(map(host_s, ops))) if host_s is not None else [0.0] * len(ops)
+    blocking = [op for op in ops if op.cpu_wait >= 0]
+    if blocking:  # issue times past the first synchronize are known only as the step plays
+        issued[blocking[0].id:] = [_NOT_ISSUED] * (len(ops) - blocking[0].id)
     player = _Player(ops, duration, issued, slowdown)
+    if blocking:
+        _IssueThread(player, [host_s(op) for op in ops] if host_s is not None else [0.0] * len(ops),
+                     blocking[0].id).resume()
     streams: dict[str, list[Op]] = {}
     lanes: dict[str, list[Op]] = {}
     for op in ops:
         streams.setdefault(op.stream, []).append(op)
         if op.kind in COLLECTIVES:
             lanes.setdefault(op.group, []).append(op)
-    for queue in streams.values():
-        player.env.process(player.stream(queue))
-    for queue in lanes.values():
-        player.env.process(player.lane(queue))
+    player.draining = True  # every stream, then every lane, starts at time 0 in this order
+    player.ready.extend(player.stream(queue) for queue in streams.values())
+    player.ready.extend(player.lane(queue) for queue in lanes.values())
+    player.draining = False
+    player.kick(lambda: None)
     player.env.run()
+    player.device = None  # it holds player.kick: without the cycle, reference counting frees the step
     if not all(player.finished):
         first = next(op for op, done in zip(ops, player.finished) if not done)
         raise RuntimeError(f"deadlock: ops never ran, first {first.name!r}")

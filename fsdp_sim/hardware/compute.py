@@ -12,6 +12,26 @@ from fsdp_sim.hardware.kernels import ComputeOptions, KernelTimes, elementwise_t
 from fsdp_sim.schedule.ops import COLLECTIVES, Op
 
 
+MAX_SHARED_PRICES = 100_000  # op contents priced per (GPU, dtype, options) kept between steps: a bound on memory
+MAX_SHARED_TABLES = 64  # (GPU, dtype, options) tables kept: a sweep over options or GPUs stays bounded too
+_SHARED: dict[tuple, tuple] = {}  # (id(gpu), dtype, options) -> (gpu, {op content: KernelTimes})
+
+
+def _shared_prices(gpu, dtype: str, options: ComputeOptions) -> dict[tuple, KernelTimes]:
+    """The prices of op contents on `gpu` in `dtype` with `options`, shared by every step in this process.
+
+    Pricing is a pure function of these and the op's content, and profiles are loaded once (cached), so
+    the points of a sweep on one GPU reuse one table; the entry holds the profile so its id stays its own.
+    """
+    key = (id(gpu), dtype, options)
+    entry = _SHARED.get(key)
+    if entry is None or entry[0] is not gpu:
+        if len(_SHARED) >= MAX_SHARED_TABLES:
+            _SHARED.clear()
+        entry = _SHARED[key] = (gpu, {})
+    return entry[1]
+
+
 class ComputeCosts:
     """`times(op)` (GPU seconds by class), `duration(op)` and `host_s(op)` for one GPU, compute dtype and options."""
 
@@ -21,6 +41,7 @@ class ComputeCosts:
         self._launch = {False: launch_cost_s(False, options), True: launch_cost_s(True, options)}
         self._cache: dict[tuple, KernelTimes] = {}
         self._by_op: dict[int, KernelTimes] = {}  # the engine and the analysis ask about one op many times
+        self._shared = _shared_prices(gpu, dtype, options)
 
     def times(self, op: Op) -> KernelTimes:
         t = self._by_op.get(op.id)
@@ -29,7 +50,14 @@ class ComputeCosts:
             key = (op.kind, op.kernel_pass, op.flops, op.hbm_bytes, op.measured_s, op.launches, id(op.kernels))
             t = self._cache.get(key)
             if t is None:
-                t = self._cache[key] = self._price(op)
+                # a sweep's points share shapes: the price by content outlives this step (kernels by value)
+                content = (*key[:-1], op.kernels)
+                t = self._shared.get(content)
+                if t is None:
+                    if len(self._shared) >= MAX_SHARED_PRICES:
+                        self._shared.clear()
+                    t = self._shared[content] = self._price(op)
+                self._cache[key] = t
             self._by_op[op.id] = t
         return t
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from fsdp_sim.hardware.collectives import ProcessGroup, collective_time, link_loads, shared_slowdown
 from fsdp_sim.hardware.compute import ComputeCosts
-from fsdp_sim.hardware.kernels import ComputeOptions
+from fsdp_sim.hardware.host_link import HOST_GROUPS, HostCosts
+from fsdp_sim.hardware.kernels import ComputeOptions, KernelTimes
 from fsdp_sim.hardware.profiles import Cluster
 from fsdp_sim.schedule.ops import COLLECTIVES, Op
 
@@ -31,26 +32,38 @@ class OpCosts:
     """
 
     def __init__(self, cluster: Cluster, *, shard_size: int, replicate_size: int, compute_dtype: str,
-                 options: ComputeOptions = ComputeOptions(), consecutive_groups: dict[str, int] | None = None) -> None:
+                 options: ComputeOptions = ComputeOptions(), consecutive_groups: dict[str, int] | None = None,
+                 groups: dict[str, ProcessGroup] | None = None, ring_factors: dict[str, float] | None = None) -> None:
         """`consecutive_groups`: more process groups of consecutive ranks, by name and size (hpZ's
-        post-forward groups, which the backward all-gathers run in over their own links)."""
+        post-forward groups, which the backward all-gathers run in over their own links). `groups`: every process
+        group laid out by the caller instead (a tensor-parallel mesh, `schedule/tp.py`), `ring_factors` the
+        bytes a rank moves per byte of a collective in each group beyond these."""
         gpu, gpn = cluster.gpu, cluster.gpus_per_node
         self.gpu = gpu
         self.compute = ComputeCosts(gpu, compute_dtype, options)
-        self.times = self.compute.times  # GPU time by class of a compute-stream op run alone
+        self.host = HostCosts(gpu.host, gpn)  # host-link copies and CPU work (offload), by op group
         self.host_s = self.compute.host_s  # the CPU issue thread's time for an op
         shard_nodes = -(-shard_size // gpn)
         replicate_nodes = replicate_size if shard_size >= gpn else cluster.nodes
-        self.groups = {
+        self.groups = groups if groups is not None else {
             "shard": ProcessGroup(shard_size, shard_nodes),
             "replicate": ProcessGroup(replicate_size, replicate_nodes),
         } | {name: ProcessGroup(k, -(-k // gpn)) for name, k in (consecutive_groups or {}).items()}
         self.fabric = cluster.fabric  # the profile's fabric with the scenario's hardware.network applied
         self.ring = {"shard": (shard_size - 1) / shard_size, "replicate": 2 * (replicate_size - 1) / replicate_size}
         self.ring |= {name: (k - 1) / k for name, k in (consecutive_groups or {}).items()}  # all-gathers in them
+        self.ring |= ring_factors or {}
         self.nccl_channels = self.fabric.nccl_channels  # SMs one collective holds (profile, [C26])
         self._loads = {name: {k: link_loads(k, g, self.fabric) for k in COLLECTIVES} for name, g in self.groups.items()}
         self._collective: dict[tuple, float] = {}  # by (kind, bytes, group): units of one size share a price
+        self._demand: dict[int, float] = {}  # by op id: the engine asks at every change of the running set
+        self._share: dict[int, float] = {}
+
+    def times(self, op: Op) -> KernelTimes:
+        """GPU time by class of a compute-stream op run alone; a host copy there (save_on_cpu) is memory-bound."""
+        if op.group in HOST_GROUPS:
+            return KernelTimes(memory=self.host.duration(op))
+        return self.compute.times(op)
 
     def duration(self, op: Op) -> float:
         kind = op.kind
@@ -60,19 +73,25 @@ class OpCosts:
             if t is None:
                 t = self._collective[key] = collective_time(kind, op.comm_bytes, self.groups[op.group], self.fabric)
             return t
+        if op.group in HOST_GROUPS:
+            return self.host.duration(op)
         if kind == "compute" or kind == "copy":
             return self.compute.duration(op)
         return 0.0
 
     def _hbm_demand(self, op: Op) -> float:
         """HBM bytes/s a running collective draws: its link traffic per second, three times over."""
-        dur = self.duration(op)
-        return NCCL_HBM_TRAFFIC_PER_LINK_BYTE * op.comm_bytes * self.ring[op.group] / dur if dur > 0 else 0.0
+        demand = self._demand.get(op.id)
+        if demand is None:
+            dur = self.duration(op)
+            demand = NCCL_HBM_TRAFFIC_PER_LINK_BYTE * op.comm_bytes * self.ring[op.group] / dur if dur > 0 else 0.0
+            self._demand[op.id] = demand
+        return demand
 
     def slowdown(self, op: Op, running: list[Op]) -> float:
         """How much slower `op` runs beside `running` (which includes op itself) than alone."""
         hbm = self.gpu.hbm_bandwidth_Bps
-        comm = [o for o in running if o.kind in COLLECTIVES and o is not op]
+        comm = [o for o in running if o is not op and o.kind in COLLECTIVES]
         if op.kind in COLLECTIVES:
             # collectives of other process groups in flight share the links both cross (HSDP's shard
             # and replicate groups meet on the NICs once a shard group spans nodes)
@@ -80,16 +99,22 @@ class OpCosts:
             if comm:
                 loads = [self._loads[o.group][o.kind] for o in [op, *comm]]
                 links = shared_slowdown(loads)[0]
-            memory_share = max((self._memory_share(o) for o in running if o.kind in ("compute", "copy")), default=0.0)
+            memory_share = 0.0  # the most memory-bound compute op beside it (a loop: the engine's hot path)
+            for o in running:
+                if (o.kind == "compute" or o.kind == "copy") and (share := self._memory_share(o)) > memory_share:
+                    memory_share = share
             return links * (1.0 + memory_share * self._hbm_demand(op) / hbm)
-        if not comm or op.kind not in ("compute", "copy"):
-            return 1.0
+        if not comm or op.kind not in ("compute", "copy") or op.group in HOST_GROUPS:
+            return 1.0  # a host copy runs on a copy engine, CPU work on the host: no SM nor HBM shared
         sms = self.gpu.sm_count
         held = min(self.nccl_channels * len(comm), sms - 1)
         memory = self._memory_share(op)
-        demand = sum(self._hbm_demand(o) for o in comm)
+        demand = sum([self._hbm_demand(o) for o in comm])
         return (1.0 - memory) * sms / (sms - held) + memory * (1.0 + demand / hbm)
 
     def _memory_share(self, op: Op) -> float:
-        t = self.compute.times(op)
-        return t.memory / t.total if t.total > 0 else 0.0
+        share = self._share.get(op.id)
+        if share is None:
+            t = self.compute.times(op)
+            share = self._share[op.id] = t.memory / t.total if t.total > 0 else 0.0
+        return share

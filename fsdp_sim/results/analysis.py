@@ -1,7 +1,8 @@
 """From the op timings and the memory ledger to the numbers a user asks for.
 
 Allocated = bytes of live tensors in issue order (what `torch.cuda.max_memory_allocated` reports).
-Reserved = the ledger's caching-allocator model (per-stream pools, rounded sizes; see engine/ledger.py).
+Reserved = what the caching allocator model predicts it holds from the driver in the steady state
+(engine/allocator.py, engine/reserved.py); reserved - allocated is memory it keeps cached, not allocated.
 """
 
 from __future__ import annotations
@@ -13,11 +14,17 @@ import numpy as np
 from collections.abc import Callable
 
 from fsdp_sim.engine import MemoryTrace, Timing
+from fsdp_sim.engine.reserved import CappedReplay
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.hardware.kernels import KernelTimes
 from fsdp_sim.scenario import Scenario
 from fsdp_sim.schedule.ops import CATEGORIES, COLLECTIVES, Op, OpGraph
 from fsdp_sim.schedule.settings import post_forward_group
+from fsdp_sim.schedule.tp import tp_pricing
+from fsdp_sim.deepspeed_words import ZERO_NOTES
+from fsdp_sim.results.host import host_memory
+from fsdp_sim.schedule.param_dtypes import unit_bytes
+from fsdp_sim.workload.frozen import trainable_counts
 
 def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[list[float]] = []
@@ -72,6 +79,7 @@ class StepResult:
             ring = {"shard": (s.shard_size - 1) / s.shard_size,
                     "replicate": 2 * (s.replicate_size - 1) / s.replicate_size}
             ring |= {post_forward_group(k): (k - 1) / k for k in s.post_forward_sizes}  # hpZ all-gathers
+            ring |= tp_pricing(s, self.scenario.cluster).get("ring_factors", {})  # the TP group's (schedule/tp.py)
             start, end, issued = self.timing.start.tolist(), self.timing.end.tolist(), self.timing.issued.tolist()
             busy: list[tuple[float, float]] = []
             comm: dict[str, list[tuple[float, float]]] = {k: [] for k in COLLECTIVES}
@@ -145,7 +153,7 @@ class StepResult:
         per_step = per_rank * sc.settings.replicate_size * sc.settings.shard_size
         step = self.step_time_s
         return {"tokens_per_step": per_step, "tokens_per_s": per_step / step if step > 0 else 0.0,
-                "tokens_per_s_per_gpu": per_rank / step if step > 0 else 0.0}
+                "tokens_per_s_per_gpu": per_rank / sc.settings.tp / step if step > 0 else 0.0}  # a TP group shares its batch
 
     # ---- memory ------------------------------------------------------------------------
     @property
@@ -165,17 +173,68 @@ class StepResult:
                 "op": op.name if op else None, "by_category": by_category,
                 "live_buffers": [{"name": b.name, "category": b.category, "bytes": b.nbytes, "unit": b.unit or None} for b in live]}
 
-    def memory_summary(self, peak: dict) -> dict:
-        """Capacity, budget, required = reserved + CUDA context + NCCL, fits, headroom; the overheads beside
-        the peak's categories (`overheads_bytes`); the model state per rank (`persistent_bytes`: what
-        persists across steps, plus the sharded gradients, held from their reduce-scatter to zero_grad)."""
+    def nccl_groups(self) -> dict[str, int]:
+        """NCCL's buffers per process group the step's collectives run in (communicators are created at
+        their first collective; HSDP has two, hpZ adds its post-forward groups): the profile's figure each."""
+        nccl = self.scenario.cluster.gpu.nccl_bytes  # measured per PyTorch process group (profile comment)
+        return {g: nccl for g in sorted({op.group for op in self.graph.ops if op.kind in COLLECTIVES})}
+
+    def allocator(self, peak: dict) -> dict:
+        """The caching allocator model beside the peak: what it keeps cached, not allocated; per stream;
+        what `empty_cache` would return after the step; the first step (no optimizer states before its
+        optimizer step) beside the steady state."""
+        model, config = self.memory.allocator, self.scenario.allocator
+        first = self.memory.events[model.first_step_row - 1][0] if model.first_step_row else None
+        capped = self.capped_replay()
+        split = {} if config.max_split_size is None else {"max_split_size_bytes": config.max_split_size}  # None: unlimited
+        return {"expandable_segments": config.expandable_segments, **split,
+                "limit_bytes": self.allocator_limit(), "out_of_memory": capped is not None and capped.oom,
+                "reserved_under_limit_bytes": capped.reserved_bytes if capped else peak["reserved_bytes"],
+                "retries_per_step": capped.retries_per_step if capped else 0, "retries": capped.retries if capped else 0,
+                "steps_under_limit": capped.steps if capped else 0,
+                "cached_not_allocated_bytes": peak["reserved_bytes"] - peak["allocated_bytes"],
+                "reserved_by_stream_bytes": dict(model.by_stream), "empty_cache_releasable_bytes": model.releasable_bytes,
+                "steps_to_steady_state": model.steps,
+                "first_step": {"allocated_bytes": model.first_step_allocated_bytes,
+                               "reserved_bytes": model.first_step_reserved_bytes,
+                               "phase": first.phase if first else "before step"}}
+
+    def allocator_limit(self) -> int:
+        """What the budget leaves the caching allocator: budget - CUDA context - NCCL buffers."""
         gpu = self.scenario.cluster.gpu
+        return self._budget() - gpu.cuda_context_bytes - sum(self.nccl_groups().values())
+
+    def _budget(self) -> int:
+        return int(self.scenario.cluster.gpu.memory_bytes * (1 - self.scenario.safety_margin))  # whole bytes
+
+    def capped_replay(self) -> CappedReplay | None:
+        """The allocator's steps replayed under `allocator_limit` (free-and-retry, engine/reserved.py),
+        or None when the unconstrained reserved is within it: nothing would be refused, so both agree."""
+        model, limit = self.memory.allocator, self.allocator_limit()
+        return model.capped(limit) if model.reserved_bytes > limit else None
+
+    def memory_summary(self, peak: dict) -> dict:
+        """Capacity, budget, required = reserved + CUDA context + NCCL per process group, fits, headroom;
+        reserved is the unconstrained figure unless it passes the budget: then the replay under the
+        allocator's limit decides (its peak reserved when it releases, retries and gets by; the
+        unconstrained figure when it runs out of memory even so);
+        the overheads beside the peak's categories (`overheads_bytes`); the model state per rank
+        (`persistent_bytes`: what persists across steps, plus the sharded gradients, held from their
+        reduce-scatter to zero_grad)."""
+        gpu = self.scenario.cluster.gpu
+        groups = self.nccl_groups()
+        nccl = sum(groups.values())
         allocated = peak.get("allocated_bytes")
         if allocated is None:
             allocated = int(self.memory.levels[self.peak_row].sum())
         margin = self.scenario.safety_margin
-        required = int(peak["reserved_bytes"]) + gpu.cuda_context_bytes + gpu.nccl_bytes
-        budget = int(gpu.memory_bytes * (1 - margin))  # whole bytes, so headroom = budget - required exactly
+        # allocated past the limit: the capped replay must run out of memory (its steady step holds the
+        # same live blocks, each at least its request, and it replays that step unless it fails first),
+        # so its verdict is known without playing it; `allocator()` still plays it for its own figures
+        capped = self.capped_replay() if allocated <= self.allocator_limit() else None
+        reserved = capped.reserved_bytes if capped and not capped.oom else int(peak["reserved_bytes"])
+        required = reserved + gpu.cuda_context_bytes + nccl
+        budget = self._budget()  # whole bytes, so headroom = budget - required exactly
         persistent = {c: 0 for c in CATEGORIES}
         for b in self.memory.persistent:
             persistent[b.category] += b.nbytes
@@ -184,8 +243,9 @@ class StepResult:
         return {"capacity_bytes": gpu.memory_bytes, "safety_margin": margin, "budget_bytes": budget,
                 "required_bytes": required, "fits": required <= budget, "headroom_bytes": budget - required,
                 "persistent_bytes": {c: v for c, v in persistent.items() if v},
-                "overheads_bytes": {"cuda_context": gpu.cuda_context_bytes, "nccl": gpu.nccl_bytes,
-                                    "reserved_minus_allocated": peak["reserved_bytes"] - allocated}}
+                "nccl_groups_bytes": groups,
+                "overheads_bytes": {"cuda_context": gpu.cuda_context_bytes, "nccl": nccl,
+                                    "reserved_minus_allocated": reserved - allocated}}
 
     def to_dict(self) -> dict:
         sc = self.scenario
@@ -197,19 +257,30 @@ class StepResult:
             "step_time_s": self.step_time_s,
             "peak": peak,
             "memory": self.memory_summary(peak),
+            "allocator": self.allocator(peak),
             "communication": self.communication(),
             "compute": self.compute(),
             "throughput": self.throughput(),
-            "model": {"name": wl.name, "params": wl.numel, "tokens_per_rank": wl.tokens * s.grad_accumulation},
+            "model": {"name": wl.name, "params": sum(trainable_counts(wl)), "tokens_per_rank": wl.tokens * s.grad_accumulation,
+                      "trainable_params": trainable_counts(wl)[0], "frozen_params": trainable_counts(wl)[1],
+                      "param_storage_dtype": s.storage_dtype},
             "hardware": {"profile": sc.cluster.gpu.name, "nodes": sc.cluster.nodes,
                          "gpus_per_node": sc.cluster.gpus_per_node, "world_size": sc.cluster.world_size},
-            "fsdp": {"runtime": "fsdp2", "wrap": sc.wrap, "sharding_strategy": sc.sharding_strategy,
+            "fsdp": {"runtime": f"fsdp{s.version}" if s.version else "none", "wrap": sc.wrap, "sharding_strategy": sc.sharding_strategy,
+                     "zero_stage": sc.zero_stage, "zero_stage_note": ZERO_NOTES.get(sc.zero_stage),
                      "shard_size": s.shard_size, "replicate_size": s.replicate_size,
                      "reshard_after_forward": s.reshard_after_forward, "reshard_last_block": s.reshard_last_unit,
                      "param_dtype": s.param_dtype,
                      "reduce_dtype": s.reduce_dtype, "optimizer": s.optimizer,
                      "grad_accumulation": s.grad_accumulation, "requires_gradient_sync": s.requires_gradient_sync,
-                     "activation_checkpointing": "full" if s.activation_checkpointing else "none"},
+                     "activation_checkpointing": s.ac_mode + (f" every {s.ac_every}" if s.ac_mode == "selective_layer" else ""),
+                     **({"backward_prefetch": s.fsdp1_backward_prefetch or "none", "forward_prefetch": bool(s.forward_prefetch),
+                         "limit_all_gathers": s.limit_all_gathers, "use_orig_params": s.use_orig_params}
+                        if s.version == 1 else {}),  # FullyShardedDataParallel's arguments
+                     # tensor parallel and torchao float8 (schedule/tp.py, schedule/float8.py), when in use
+                     **({"tp": s.tp, "sequence_parallel": s.sequence_parallel} if s.tp > 1 else {}),
+                     **({"float8_linears": len(s.float8_weights), "float8_all_gather": s.float8_all_gather,
+                         "float8_precompute_scale": s.float8_precompute_scale} if s.float8_weights else {})},
             "units": [{"name": u.name, "params": u.numel, "modules": len(u.modules), "root": u.is_root,
-                       "sharded_bytes": u.shard_numel(s.shard_size) * s.storage_bytes} for u in sc.units],
-        }
+                       "sharded_bytes": unit_bytes(u, s).sharded} for u in sc.units],
+        } | host_memory(self)  # host memory per node when the step offloads (host.py)

@@ -55,6 +55,7 @@ class Op:
     kernel_pass: str = ""
     launches: int = 1  # kernels the CPU launches for an op priced from FLOPs and bytes (a copy, a foreach pass)
     record_stream: str = ""  # a free: the stream `Tensor.record_stream` named (FSDP1); the block waits for it
+    cpu_wait: int = -1  # the op whose end the CPU issue thread waits for before issuing this one (Event.synchronize)
 
 
 class OpGraph:
@@ -64,14 +65,31 @@ class OpGraph:
         self.ops: list[Op] = []
         self.buffers: list[Buffer] = []
         self.persistent: list[Buffer] = []
+        self.host = None  # pinned host memory of the rank (schedule/offload.py HostMemory) when anything is offloaded
         self.phase = "forward"
         self.unit = ""
+        self._stream_waits: dict[str, list[Op]] = {}  # wait_event: deps for the next op on a stream
+        self._synchronize: Op | None = None  # synchronize: the CPU waits it before issuing the next op
+
+    def wait_event(self, stream: str, event: Op | None) -> None:
+        """`stream.wait_event(event)` / `wait_stream`: the next op queued on `stream` (whatever adds it)
+        waits `event`. A runtime uses it where the op that follows belongs to another layer (autograd's)."""
+        if event is not None:
+            self._stream_waits.setdefault(stream, []).append(event)
+
+    def synchronize(self, event: Op) -> None:
+        """`event.synchronize()` on the CPU: the issue thread blocks until `event` ends, before the next op."""
+        self._synchronize = event
 
     def add(self, kind: str, stream: str, name: str, *, deps=(), flops=0.0, hbm_bytes=0.0,
             comm_bytes=0.0, group="", buffer=None, measured_s=None, kernels=(), kernel_pass="", launches=1) -> Op:
         ids = tuple([d.id for d in deps if d is not None]) if deps else ()
         op = Op(len(self.ops), kind, stream, name, self.unit, self.phase, ids, flops, hbm_bytes, comm_bytes, group,
                 buffer, measured_s, kernels, kernel_pass, launches)
+        if self._stream_waits and stream in self._stream_waits:
+            op.deps = ids + tuple(e.id for e in self._stream_waits.pop(stream))
+        if self._synchronize is not None:
+            op.cpu_wait, self._synchronize = self._synchronize.id, None
         self.ops.append(op)
         return op
 

@@ -1,0 +1,35 @@
+"""The sweep's shortcuts give what the full result gives: a row's memory figures skip the capped allocator
+replay when the step's allocated peak alone passes the allocator's limit, since that replay must then
+run out of memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp_sim.scenario import parse_scenario
+from fsdp_sim.simulate import simulate
+from fsdp_sim.sweep import _row
+
+BASE = {"model": "llama3-8b", "hardware": {"profile": "h100-sxm", "gpus_per_node": 8}}
+
+
+# on 8x H100 these cover: within the limit; past it unconstrained, the capped replay gets by (6144 x 1) or
+# runs out (4096 x 2); allocated alone past it (4096 x 4, x 8)
+@pytest.mark.parametrize("seq_len,micro_batch", [(4096, 1), (6144, 1), (4096, 2), (4096, 4), (4096, 8)])
+def test_row_memory_equals_the_full_result_and_an_allocated_peak_past_the_limit_runs_out(seq_len, micro_batch):
+    data = BASE | {"training": {"seq_len": seq_len, "micro_batch": micro_batch}}
+    result = simulate(parse_scenario(data))
+    row = _row(result)
+    limit, allocated = result.allocator_limit(), row["peak_allocated_bytes"]
+    capped = result.memory.allocator.capped(limit)  # played even where the row did not need it
+    assert capped.oom or allocated <= limit  # the shortcut's premise: reserved never holds less than allocated
+    # what the row's reserved is by definition: the capped replay's peak where the unconstrained figure
+    # passes the limit and the capped replay gets by, else the unconstrained figure
+    reserved = result.memory.reserved_bytes
+    expected = capped.reserved_bytes if reserved > limit and not capped.oom else reserved
+    overheads = result.scenario.cluster.gpu.cuda_context_bytes + sum(result.nccl_groups().values())
+    assert row["required_bytes"] == expected + overheads
+    full = simulate(parse_scenario(data)).to_dict()
+    assert (row["required_bytes"], row["fits"], row["headroom_bytes"]) == (
+        full["memory"]["required_bytes"], full["memory"]["fits"], full["memory"]["headroom_bytes"])
+    assert full["allocator"]["out_of_memory"] == (reserved > limit and capped.oom)
