@@ -41,7 +41,7 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-SCENARIOS = sorted((REPO / "scenarios").glob("*.yaml"))
+SCENARIOS = sorted(p for p in (REPO / "scenarios").glob("*.yaml") if not p.name.endswith(".grid.yaml"))  # grids are sweep axes
 HF_CONFIGS = sorted((REPO / "scenarios" / "hf").glob("*.json"))
 PROFILES = sorted((REPO / "hardware_profiles").glob("*.yaml"))
 TRACE_FIXTURE = REPO / "tests" / "fixtures" / "profile_reference.json"
@@ -701,8 +701,10 @@ def check_run_json(text: str) -> list[str]:
     if mem["headroom_bytes"] != mem["budget_bytes"] - mem["required_bytes"]:
         problems.append(f"headroom {mem['headroom_bytes']} != budget - required "
                         f"{mem['budget_bytes'] - mem['required_bytes']}")
-    if mem["fits"] != (mem["required_bytes"] <= mem["budget_bytes"]):
-        problems.append("fits disagrees with required <= budget")
+    if mem["within_budget"] != (mem["required_bytes"] <= mem["budget_bytes"]):
+        problems.append("within_budget disagrees with required <= budget")
+    if mem["fits"] != (mem["required_bytes"] <= mem["capacity_bytes"]):
+        problems.append("fits disagrees with required <= capacity")
     if data["peak"]["allocated_bytes"] < 0:
         problems.append("negative peak")
     return problems
@@ -719,8 +721,10 @@ def check_rows(text: str) -> list[str]:
         error = row.get("error") or ""
         if "\n" in error or len(error.splitlines()) > 1:
             problems.append(f"row {i}: multi-line error")
-        if not error and row.get("headroom_bytes") is not None and row["fits"] != (row["headroom_bytes"] >= 0):
-            problems.append(f"row {i}: fits disagrees with headroom")
+        if not error and row.get("headroom_bytes") is not None and row["within_budget"] != (row["headroom_bytes"] >= 0):
+            problems.append(f"row {i}: within_budget disagrees with headroom")
+        if not error and row.get("within_budget") and not row["fits"]:
+            problems.append(f"row {i}: within the budget but does not fit")
     return problems
 
 

@@ -85,7 +85,7 @@ def recommend(rows: list[dict], keys: list[str], *, top: int = 3) -> dict:
     one fewest settings away from the best, then the least faster), `runners_up` (the next fitting
     configurations with figures unlike the best's, each with its trade-off) and `counts`."""
     ok = [r for r in rows if not r.get("error")]
-    fitting = sorted((r for r in ok if r["fits"]), key=_rank)
+    fitting = sorted((r for r in ok if r["within_budget"]), key=_rank)  # fits and keeps the safety margin
     counts = {"configurations": len(rows), "fit": len(fitting), "do_not_fit": len(ok) - len(fitting),
               "errors": len(rows) - len(ok)}
     out = {"keys": keys, "counts": counts, "best": None, "limit": None, "reason": "", "next_faster": None,

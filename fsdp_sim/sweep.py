@@ -30,7 +30,7 @@ from fsdp_sim.simulate import simulate
 __all__ = ["COLUMNS", "parse_assignment", "points", "run_point", "largest_fitting", "search_axes", "sweep", "sweep_points"]
 
 COLUMNS = ("step_time_s", "tokens_per_s_per_gpu", "tokens_per_step", "peak_allocated_bytes", "peak_reserved_bytes",
-           "required_bytes", "fits", "headroom_bytes", "communication_exposed_s", "overlap_fraction", "mfu",
+           "required_bytes", "fits", "within_budget", "headroom_bytes", "communication_exposed_s", "overlap_fraction", "mfu",
            "cpu_bound_s", "peak_phase", "error")
 MICRO_BATCH = "training.micro_batch"
 MAX_BATCH_LIMIT = 4096
@@ -78,7 +78,7 @@ def _row(result) -> dict:
     return {"step_time_s": result.step_time_s, "tokens_per_s_per_gpu": tp["tokens_per_s_per_gpu"],
             "tokens_per_step": tp["tokens_per_step"], "peak_allocated_bytes": allocated,
             "peak_reserved_bytes": reserved, "required_bytes": mem["required_bytes"], "fits": mem["fits"],
-            "headroom_bytes": mem["headroom_bytes"], "communication_exposed_s": comm["exposed_s"],
+            "within_budget": mem["within_budget"], "headroom_bytes": mem["headroom_bytes"], "communication_exposed_s": comm["exposed_s"],
             "overlap_fraction": comm["overlap_fraction"], "mfu": comp["mfu"],
             "cpu_bound_s": comp["breakdown"]["cpu_bound_s"], "peak_phase": op.phase if op else "before step",
             "error": ""}
@@ -135,7 +135,7 @@ def run_max_batch(data: dict, base: Path, limit: int = MAX_BATCH_LIMIT) -> dict:
         rows[batch] = row = run_point(trial, base)
         if row["error"] and batch == 1:
             raise ScenarioError(row["error"])  # wrong whatever the batch: the point's error
-        return not row["error"] and row["fits"]
+        return not row["error"] and row["within_budget"]  # fits with the safety margin kept
 
     try:
         best = largest_fitting(fits, limit)

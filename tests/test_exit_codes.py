@@ -13,6 +13,7 @@ from fsdp_sim.cli import main
 TINY = {"model": {"hidden": 64, "layers": 2, "heads": 4, "vocab": 256}, "training": {"seq_len": 32},
         "hardware": {"profile": "h100-sxm", "nodes": 1, "gpus_per_node": 8}}
 HUGE = TINY | {"report": {"safety_margin": 0.99}}  # a 0.8 GB budget: the CUDA context alone is more
+LONG = TINY | {"model": {"hidden": 16384, "layers": 64, "heads": 128, "vocab": 256}}  # 206 B params: past the GPU
 
 
 def _file(tmp_path, data, name="s.yaml"):
@@ -26,7 +27,10 @@ def test_require_fit(tmp_path, capsys):
     assert main(["run", small, "--require-fit"]) == 0
     assert main(["run", huge]) == 0  # without the flag a step that does not fit is still a result
     capsys.readouterr()
-    assert main(["run", huge, "--require-fit"]) == 1
+    assert main(["run", huge, "--require-fit"]) == 1  # it runs, but not with the margin kept
+    out, err = capsys.readouterr()
+    assert "FITS INSIDE THE MARGIN" in out and err.count("\n") == 1 and "fits only inside the safety margin" in err
+    assert main(["run", _file(tmp_path, LONG, "long.yaml"), "--require-fit"]) == 1
     out, err = capsys.readouterr()
     assert "DOES NOT FIT" in out and err.count("\n") == 1 and "does not fit" in err
     assert main(["run", huge, "--require-fit", "-q"]) == 1

@@ -31,7 +31,7 @@ def _files(tmp_path, scenario=TOY, grid=GRID):
 
 def _row(tps, required, fits=True, step=1.0, exposed=0.0, cpu=0.0, **keys):
     return {**keys, "tokens_per_s_per_gpu": tps, "required_bytes": required, "headroom_bytes": 100 - required,
-            "fits": fits, "step_time_s": step, "communication_exposed_s": exposed, "cpu_bound_s": cpu, "mfu": 0.5,
+            "fits": fits, "within_budget": fits, "step_time_s": step, "communication_exposed_s": exposed, "cpu_bound_s": cpu, "mfu": 0.5,
             "error": ""}
 
 
@@ -45,13 +45,13 @@ def test_toy_grid_winner_is_the_fastest_fitting_row(tmp_path, capsys):
     rec = json.loads(out.read_text())
     rows = rec["rows"]
     assert len(rows) == 8 and all(r["error"] == "" for r in rows)
-    fitting = [r for r in rows if r["fits"]]
+    fitting = [r for r in rows if r["within_budget"]]
     assert rec["best"] == max(fitting, key=lambda r: r["tokens_per_s_per_gpu"])
     best = rec["best"]
     assert (best["training.micro_batch"], best["training.activation_checkpointing"]) == (4, "none")
     assert rec["limit"] == "memory" and rec["reason"].startswith("memory: the next faster (training.micro_batch=8)")
     nxt = rec["next_faster"]
-    assert not nxt["fits"] and nxt["tokens_per_s_per_gpu"] > best["tokens_per_s_per_gpu"]
+    assert not nxt["within_budget"] and nxt["tokens_per_s_per_gpu"] > best["tokens_per_s_per_gpu"]
     assert rec["counts"] == {"configurations": 8, "fit": 7, "do_not_fit": 1, "errors": 0}
     assert [(r["row"]["training.micro_batch"], r["row"]["training.activation_checkpointing"])
             for r in rec["runners_up"]] == [(2, "none"), (1, "none"), (8, "full")]
@@ -141,18 +141,18 @@ def test_bisection_edges():
 
 
 def test_max_batch_rows_are_at_the_true_boundary(tmp_path):
-    """Each row's micro-batch fits and one more sequence does not (checked by single runs)."""
+    """Each row's micro-batch fits the budget and one more sequence does not (checked by single runs)."""
     scenario, _ = _files(tmp_path)
     keys, rows = sweep(scenario, ["training.activation_checkpointing=none,full"], max_batch=True, jobs=2)
     assert keys == ["training.activation_checkpointing", "training.micro_batch"]
     for row in rows:
         batch = row["training.micro_batch"]
-        assert row["fits"] and batch > 1
+        assert row["within_budget"] and batch > 1
 
         def fits(b: int) -> bool:
             data = yaml.safe_load(yaml.safe_dump(TOY))
             data["training"].update(micro_batch=b, activation_checkpointing=row["training.activation_checkpointing"])
-            return simulate(parse_scenario(data)).to_dict()["memory"]["fits"]
+            return simulate(parse_scenario(data)).to_dict()["memory"]["within_budget"]
 
         assert fits(batch) and not fits(batch + 1)
     assert rows[0]["training.micro_batch"] < rows[1]["training.micro_batch"]  # checkpointing fits more

@@ -17,7 +17,7 @@ from fsdp_sim.workload.hf_config import build_from_hf_config, build_from_hf_dict
 from fsdp_sim.workload.moe import MoESpec, expert_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIOS = sorted((ROOT / "scenarios").glob("*.yaml"))
+SCENARIOS = sorted(p for p in (ROOT / "scenarios").glob("*.yaml") if not p.name.endswith(".grid.yaml"))  # grids are sweep axes
 HF = ROOT / "scenarios" / "hf"
 
 

@@ -200,9 +200,10 @@ class StepResult:
                                "phase": first.phase if first else "before step"}}
 
     def allocator_limit(self) -> int:
-        """What the budget leaves the caching allocator: budget - CUDA context - NCCL buffers."""
+        """What the GPU leaves the caching allocator, where cudaMalloc starts to refuse: capacity - CUDA
+        context - NCCL buffers (the safety margin is advice, not a wall the allocator meets)."""
         gpu = self.scenario.cluster.gpu
-        return self._budget() - gpu.cuda_context_bytes - sum(self.nccl_groups().values())
+        return gpu.memory_bytes - gpu.cuda_context_bytes - sum(self.nccl_groups().values())
 
     def _budget(self) -> int:
         return int(self.scenario.cluster.gpu.memory_bytes * (1 - self.scenario.safety_margin))  # whole bytes
@@ -214,9 +215,11 @@ class StepResult:
         return model.capped(limit) if model.reserved_bytes > limit else None
 
     def memory_summary(self, peak: dict) -> dict:
-        """Capacity, budget, required = reserved + CUDA context + NCCL per process group, fits, headroom;
-        reserved is the unconstrained figure unless it passes the budget: then the replay under the
-        allocator's limit decides (its peak reserved when it releases, retries and gets by; the
+        """Capacity, budget, required = reserved + CUDA context + NCCL per process group, fits (the step
+        runs without an out-of-memory error: required <= capacity), within_budget (required <= budget, the
+        capacity less the safety margin: the advice) and headroom = budget - required;
+        reserved is the unconstrained figure unless it passes what the GPU leaves the allocator: then the
+        replay under that limit decides (its peak reserved when it releases, retries and gets by; the
         unconstrained figure when it runs out of memory even so);
         the overheads beside the peak's categories (`overheads_bytes`); the model state per rank
         (`persistent_bytes`: what persists across steps, plus the sharded gradients, held from their
@@ -241,7 +244,8 @@ class StepResult:
         grads = CATEGORIES.index("sharded_grads")
         persistent["sharded_grads"] = max(persistent["sharded_grads"], int(self.memory.levels[:, grads].max()))
         return {"capacity_bytes": gpu.memory_bytes, "safety_margin": margin, "budget_bytes": budget,
-                "required_bytes": required, "fits": required <= budget, "headroom_bytes": budget - required,
+                "required_bytes": required, "fits": required <= gpu.memory_bytes, "within_budget": required <= budget,
+                "headroom_bytes": budget - required,
                 "persistent_bytes": {c: v for c, v in persistent.items() if v},
                 "nccl_groups_bytes": groups,
                 "overheads_bytes": {"cuda_context": gpu.cuda_context_bytes, "nccl": nccl,

@@ -12,6 +12,7 @@ from fsdp_sim.errors import ScenarioError
 from fsdp_sim.results.analysis import StepResult
 from fsdp_sim.results.export import TRACE_STREAMS
 from fsdp_sim.results.pareto import pareto_front
+from fsdp_sim.results.report import verdict
 from fsdp_sim.schedule.ops import CATEGORIES
 
 GiB = 1 << 30
@@ -99,10 +100,9 @@ def step_figure(result: StepResult):
     top = max(v for v, *_ in lines + [(peak["allocated_bytes"],)])
     ax_mem.set_ylim(0, top / GiB * 1.08)
     ax_mem.set_ylabel("memory (GiB)")
-    verdict = "FITS" if summary["fits"] else "DOES NOT FIT"
     ax_mem.set_title(f"{result.scenario.name}: memory by category — required "
                      f"{summary['required_bytes'] / GiB:.2f} GiB, budget {summary['budget_bytes'] / GiB:.2f} GiB: "
-                     f"{verdict}", pad=14)
+                     f"{verdict(summary)}", pad=14)
     ax_mem.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, framealpha=0.85)
     streams = [s for s in TRACE_STREAMS if any(op.stream == s for op in result.graph.ops)]
     start, end = result.timing.start * 1e3, result.timing.end * 1e3

@@ -15,6 +15,12 @@ def fmt_time(s: float) -> str:
     return f"{s * 1e3:.2f} ms" if s < 10 else f"{s:.2f} s"
 
 
+def verdict(mem: dict) -> str:
+    """FITS (within the budget), FITS INSIDE THE MARGIN (runs without an out-of-memory error, but eats into the
+    safety margin the budget keeps), DOES NOT FIT (required is past the GPU's capacity)."""
+    return "FITS" if mem["within_budget"] else "FITS INSIDE THE MARGIN" if mem["fits"] else "DOES NOT FIT"
+
+
 def summary(d: dict) -> str:
     """Human-readable text from `StepResult.to_dict()` output."""
     peak, mem, comm, comp, f = d["peak"], d["memory"], d["communication"], d["compute"], d["fsdp"]
@@ -64,7 +70,7 @@ def summary(d: dict) -> str:
         f"  first step         peak allocated {fmt_bytes(al['first_step']['allocated_bytes'])} "
         f"({al['first_step']['phase']}), reserved {fmt_bytes(al['first_step']['reserved_bytes'])} "
         "(optimizer states created in its optimizer step)",
-        *([f"  under the budget   {fmt_bytes(al['limit_bytes'])} left to the allocator: "
+        *([f"  on this GPU        {fmt_bytes(al['limit_bytes'])} left to the allocator: "
            + ("out of memory even after it frees its cached segments and retries" if al["out_of_memory"] else
               f"reserved {fmt_bytes(al['reserved_under_limit_bytes'])}, {al['retries_per_step']} allocator retries "
               f"per step ({al['retries']} in all; each a device synchronize and cudaFree of cached segments: a slower "
@@ -78,14 +84,13 @@ def summary(d: dict) -> str:
     lines.append("  largest live buffers at the peak:")
     for b in peak["live_buffers"]:
         lines.append(f"    {fmt_bytes(b['bytes']):>12}  {b['name']} [{b['category']}]")
-    verdict = "FITS" if mem["fits"] else "DOES NOT FIT"
     lines += [
         "",
         f"GPU memory           {fmt_bytes(mem['capacity_bytes'])}; budget with {100 * mem['safety_margin']:.0f} % margin "
         f"{fmt_bytes(mem['budget_bytes'])}",
         f"Required             {fmt_bytes(mem['required_bytes'])} (reserved + CUDA context "
         f"{fmt_bytes(over['cuda_context'])} + NCCL {fmt_bytes(over['nccl'])} for the "
-        f"process groups: {', '.join(mem['nccl_groups_bytes']) or 'none'})  -> {verdict}, "
+        f"process groups: {', '.join(mem['nccl_groups_bytes']) or 'none'})  -> {verdict(mem)}, "
         f"headroom {fmt_bytes(mem['headroom_bytes'])}",
     ]
     parts = contributors(d)
