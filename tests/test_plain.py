@@ -102,3 +102,14 @@ def test_lora_on_one_gpu_casts_only_the_fp32_adapters():
     assert cast == {n for n in trainable if len(by_name[n].shape) >= 2}
     grads = sum(b.nbytes for b in result.graph.buffers if b.category == "sharded_grads")
     assert grads == 4 * sum(by_name[n].numel for n in trainable)
+
+
+def test_adamw8bit_states_on_one_gpu_and_adafactor_refused():
+    """torchao's AdamW8bit keeps its 1-byte states (+ block scales) for the large tensors without FSDP too;
+    Adafactor's single-GPU step is not modelled, and says so in one line at parse time."""
+    eight = simulate(_scenario(training={"optimizer": "adamw8bit"}))
+    adam = simulate(_scenario())
+    states = [sum(b.nbytes for b in r.graph.persistent if b.category == "optimizer_states") for r in (eight, adam)]
+    assert 0 < states[0] < states[1] / 3
+    with pytest.raises(ScenarioError, match="training.optimizer: adafactor"):
+        _scenario(training={"optimizer": "adafactor"})

@@ -119,3 +119,7 @@ def check_optimizer(optimizer: str, version: int) -> None:
     if optimizer == "adafactor" and version == 2:
         raise ScenarioError("training.optimizer: torch.optim.Adafactor does not run on FSDP2's DTensor parameters "
                             "(in-place square_() on the _NormPartial norm of a sharded gradient raises)")
+    if optimizer == "adafactor" or (optimizer == "adamw8bit" and version == 1):
+        runtime = "FSDP1's flat shards" if version == 1 else "single-GPU training"
+        raise ScenarioError(f"training.optimizer: {optimizer}'s step over {runtime} is not modelled yet "
+                            "(adamw8bit runs under fsdp.version 2 and none)")
