@@ -662,7 +662,7 @@ def start(argv: list[str], cwd: Path, folder: Path, timeout: float) -> int:
     return pid
 
 
-_KEY_INT = re.compile(r"(bytes|params|tokens_per_step|tokens_per_rank|world_size|shard_size|replicate_size|"
+_KEY_INT = re.compile(r"(bytes|(?<!use_orig_)params|tokens_per_step|tokens_per_rank|world_size|shard_size|replicate_size|"
                       r"nodes|gpus_per_node|grad_accumulation|modules)$")
 
 

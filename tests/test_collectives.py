@@ -270,3 +270,12 @@ def test_profile_loader_names_a_bad_fabric_key():
     data["fabric"]["nvls"]["size_curve"]["busbw_GBps"][-1] = 1.0
     with pytest.raises(ScenarioError, match=r"fabric\.nvls\.size_curve\.busbw_GBps: the largest size"):
         parse_profile(data, "h200.yaml")
+
+
+@pytest.mark.parametrize("eff", [5e-324, 1e-4, 0.0, 1.5, True, "0.5"])
+def test_profile_loader_refuses_a_matmul_efficiency_no_gpu_has(eff):
+    """Below 0.1 % of peak (a denormal from the fuzzer deadlocked the engine: times stop being finite)."""
+    data = read_data(REPO_PROFILES / "a100-80gb.yaml", "profile")
+    data["matmul_efficiency"] = eff
+    with pytest.raises(ScenarioError, match=r"matmul_efficiency must be a number in \[0.001, 1\]"):
+        parse_profile(data, "a100-80gb.yaml")

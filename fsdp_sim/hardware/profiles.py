@@ -92,7 +92,9 @@ class Cluster:
 # (smallest, largest) of each figure: far outside any GPU, so every time and byte count stays finite and exact
 _RANGES = {"sm_count": (1, 1 << 16), "memory_bytes": (1 << 20, 1 << 50), "hbm_bandwidth_Bps": (1e9, 1e15),
            "peak_flops": (1e9, 1e18), "gpus_per_node": (1, 1024), "cuda_context_bytes": (1, 1 << 40),
-           "nccl_bytes": (1, 1 << 40)}
+           "nccl_bytes": (1, 1 << 40),
+           # a GEMM at under 0.1 % of peak is no GPU's: far below it, times stop being finite
+           "matmul_efficiency": (1e-3, 1.0)}
 
 
 def _number(path: str, key: str, value, *, integer: bool = False) -> float:
@@ -109,9 +111,7 @@ def parse_profile(data, path: str) -> GpuProfile:
     peaks = data["peak_flops"]
     if not isinstance(peaks, dict) or not peaks or not all(k in DTYPE_BYTES for k in peaks):
         raise ScenarioError(f"{path}: peak_flops must map dtypes ({', '.join(DTYPE_BYTES)}) to FLOP/s")
-    eff = data["matmul_efficiency"]
-    if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0 < eff <= 1:
-        raise ScenarioError(f"{path}: matmul_efficiency must be in (0, 1], got {show(eff)}")
+    eff = _number(path, "matmul_efficiency", data["matmul_efficiency"])
     if not isinstance(data["arch"], str) or not _ARCH.fullmatch(data["arch"]):
         raise ScenarioError(f"{path}: arch must be like sm80, sm90, sm100 or gfx942, got {show(data['arch'])}")
     for key in ("name", "description"):
@@ -125,7 +125,7 @@ def parse_profile(data, path: str) -> GpuProfile:
         memory_bytes=_number(path, "memory_bytes", data["memory_bytes"], integer=True),
         hbm_bandwidth_Bps=_number(path, "hbm_bandwidth_Bps", data["hbm_bandwidth_Bps"]),
         peak_flops={k: _number(path, f"peak_flops.{k}", v) for k, v in peaks.items()},
-        matmul_efficiency=float(eff),
+        matmul_efficiency=eff,
         gpus_per_node=gpus_per_node, fabric=parse_fabric(data["fabric"], f"{path}: fabric", gpus_per_node),
         cuda_context_bytes=_number(path, "cuda_context_bytes", data["cuda_context_bytes"], integer=True),
         nccl_bytes=_number(path, "nccl_bytes", data["nccl_bytes"], integer=True),
