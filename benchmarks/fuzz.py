@@ -228,10 +228,15 @@ def m_value(rng, case):
         case.notes.append(f"value {'.'.join(map(str, path))} = {value!r:.60}")
 
 
+def _model_from_file(case) -> bool:
+    """The case's model comes from an HF config or a workload file, which model.* dimensions may not join."""
+    model = case.data.get("model")
+    return isinstance(model, dict) and bool({"hf_config", "workload"} & set(model))
+
+
 def m_numeric(rng, case):
     key = rng.choice(NUMERIC_KEYS)
-    if key.startswith("model.") and isinstance(case.data.get("model"), dict) and \
-            {"hf_config", "workload"} & set(case.data["model"]):
+    if key.startswith("model.") and _model_from_file(case):
         return
     value = nasty(rng) if rng.random() < 0.3 else rng.choice(
         [0, -1, 2**31, 2**63, 2**64, 10**39, 1e300, 1e308, math.inf, math.nan, 2.0, 64.0, 2.5, 1e-300, 2147483648,
@@ -242,8 +247,7 @@ def m_numeric(rng, case):
 
 def m_choice(rng, case):
     key = rng.choice(CHOICE_KEYS)
-    if key.startswith("model.") and isinstance(case.data.get("model"), dict) and \
-            {"hf_config", "workload"} & set(case.data["model"]):
+    if key.startswith("model.") and _model_from_file(case):
         return
     value = nasty(rng)
     _set_dotted(case, key, value)
