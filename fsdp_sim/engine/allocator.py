@@ -391,11 +391,17 @@ class CachingAllocator:
 
     def _release(self, block: Block) -> None:
         """`free_block`: merge with free neighbours of the same segment, then back into the pool."""
-        pool = block.segment.pool
+        seg = block.segment
+        pool = seg.pool
         nxt = block.next
-        if nxt is not None and nxt.state == "free":
+        if nxt is not None and nxt.state == "free":  # `_absorb(block, nxt)`, inlined: the hot path of every free
             del pool[bisect_left(pool, (nxt.size, nxt.address))]
-            _absorb(block, nxt)
+            block.size += nxt.size
+            after = block.next = nxt.next
+            if after is not None:
+                after.prev = block
+            elif seg.last is nxt:
+                seg.last = block
         prev = block.prev
         if prev is not None and prev.state == "free":
             del pool[bisect_left(pool, (prev.size, prev.address))]
