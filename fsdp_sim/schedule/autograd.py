@@ -102,9 +102,10 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
         grad_input = None
         if prev is not None:
             grad_input = g.alloc(COMPUTE, f"{m.name} grad input", "temporaries", self._scaled(prev.output_bytes))
-        for p in m.params + tuple(self.params_by_name[n] for n in m.tied_params):
-            if p.trainable and p.name not in self.unsharded_grads:
-                self.unsharded_grads[p.name] = g.alloc(COMPUTE, f"{p.name} unsharded grad", "unsharded_grads", p.numel * s.param_bytes)
+        grads = self.unsharded_grads
+        for p in m.params + tuple(self.params_by_name[n] for n in m.tied_params) if m.tied_params else m.params:
+            if p.trainable and p.name not in grads:
+                grads[p.name] = g.alloc(COMPUTE, f"{p.name} unsharded grad", "unsharded_grads", p.numel * s.param_bytes)
         if self.grad_output is not None:
             g.free(COMPUTE, self.grad_output)
         if nxt is None:

@@ -56,7 +56,27 @@ class UnitBytes:
     cast: int
 
 
+_UNIT_BYTES: dict[tuple, UnitBytes] = {}
+_UNIT_BYTES_LIMIT = 4096  # entries (a few per unit of each model and mesh a process sweeps), then start over
+
+
 def unit_bytes(u: Unit, s: FSDPSettings) -> UnitBytes:
+    """The unit's per-rank bytes, cached: every point of a sweep rebuilds the same units, and the sum over
+    each parameter's dtypes was a tenth of a point's graph build.
+
+    The key is complete: the sizes read only the parameters (a Param's hash and equality cover all its
+    fields: name, shape, dtype, trainable), the shard group's size, and `storage_dtype` and `param_dtype`
+    (`storage_bytes` and `param_bytes` are their item sizes)."""
+    key = (u.params, s.shard_size, s.storage_dtype, s.param_dtype)
+    ub = _UNIT_BYTES.get(key)
+    if ub is None:
+        if len(_UNIT_BYTES) >= _UNIT_BYTES_LIMIT:
+            _UNIT_BYTES.clear()
+        ub = _UNIT_BYTES[key] = _unit_bytes(u, s)
+    return ub
+
+
+def _unit_bytes(u: Unit, s: FSDPSettings) -> UnitBytes:
     world = s.shard_size
     sharded = gathered = cast = 0
     for p in u.params:
