@@ -34,7 +34,9 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
         self.unsharded_grads: dict[str, Buffer] = {}  # this backward's, by parameter
         self.sharded_grads: dict[str, Buffer] = {}  # by unit
         self.activation_bytes = itemsize(workload.activation_dtype)
-        self.params_by_name = {p.name: p for p in workload.params}
+        # looked up only by a module's tied_params: without any, the map over every parameter is not built
+        tied = any(m.tied_params for m in workload.modules)
+        self.params_by_name = {p.name: p for p in workload.params} if tied else {}
         self.checkpoints = checkpoint_plans(workload, settings.ac_mode, settings.ac_every)
         self.cached: dict[str, Buffer] = {}  # what a selective policy keeps from forward to backward
         # pinned host memory (offload.py): CPU-offloaded state and gradients, save_on_cpu's activations

@@ -59,8 +59,11 @@ class FSDP2Runtime(AutogradStep, GradientReduction, Float8AllGather):
         self.post_forward_order: list[Unit] = []
         self.accumulated_grads: dict[str, Buffer] = {}  # kept across micro-batches without gradient sync
         self.output_dtypes: dict[str, str] = {}  # a module's output cast away from the compute dtype, by module
-        # per-rank shard sizes, computed once: every hook asks for them
-        self.trainable_shard = {u.name: u.shard_numel(settings.shard_size, trainable_only=True) for u in units}
+        # per-rank shard sizes, computed once: every hook asks for them; each trainable parameter's padded
+        # dim-0 shard (elements), which the reduce-scatters and the optimizer step size from
+        self.trainable_shards = {u.name: [p.padded_shard_numel(settings.shard_size) for p in u.params if p.trainable]
+                                 for u in units}
+        self.trainable_shard = {name: sum(shards) for name, shards in self.trainable_shards.items()}
         # mixed dtypes (param_dtypes.py), float8 weights all-gathered in fp8 (float8.py)
         self.unit_bytes = {u.name: float8_unit_bytes(u, settings, unit_bytes(u, settings)) for u in units}
         self.post_forward_index: dict[str, int] = {}
@@ -160,6 +163,10 @@ class FSDP2Runtime(AutogradStep, GradientReduction, Float8AllGather):
         if self.s.param_bytes == 4:  # fp32 compute: the workload already has no copy
             return m
         return replace(m, fwd_temp_bytes=max(0, m.fwd_temp_bytes - prev.output_bytes * 4 // self.s.param_bytes))
+
+    def optimizer_shards(self) -> list[int]:
+        """`AutogradStep.optimizer_shards` from the shards `__init__` computed (one pass over the parameters)."""
+        return [n for u in self.units for n in self.trainable_shards[u.name]]
 
     def _persistent_state(self) -> None:
         """Sharded parameters (dim-0 padded, each in its stored dtype) and optimizer states exist before the
@@ -312,6 +319,8 @@ class FSDP2Runtime(AutogradStep, GradientReduction, Float8AllGather):
     # ---- gradient accumulation without sync (set_requires_gradient_sync(False)) ---------------
     def accumulate_unsharded_grads(self, u: Unit) -> None:
         """FSDPParam.accumulate_unsharded_grad_if_needed: add this backward's grad into the kept one."""
+        if not self.accumulated_grads:  # nothing kept (every micro-batch syncs): skip the walk over the params
+            return
         for p in u.params:
             if p.name in self.accumulated_grads and p.name in self.unsharded_grads:
                 grad = self.unsharded_grads.pop(p.name)
