@@ -34,7 +34,9 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
         self.unsharded_grads: dict[str, Buffer] = {}  # this backward's, by parameter
         self.sharded_grads: dict[str, Buffer] = {}  # by unit
         self.activation_bytes = itemsize(workload.activation_dtype)
-        self.params_by_name = {p.name: p for p in workload.params}
+        # looked up only by a module's tied_params: without any, the map over every parameter is not built
+        tied = any(m.tied_params for m in workload.modules)
+        self.params_by_name = {p.name: p for p in workload.params} if tied else {}
         self.checkpoints = checkpoint_plans(workload, settings.ac_mode, settings.ac_every)
         self.cached: dict[str, Buffer] = {}  # what a selective policy keeps from forward to backward
         # pinned host memory (offload.py): CPU-offloaded state and gradients, save_on_cpu's activations
@@ -102,9 +104,10 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
         grad_input = None
         if prev is not None:
             grad_input = g.alloc(COMPUTE, f"{m.name} grad input", "temporaries", self._scaled(prev.output_bytes))
-        for p in m.params + tuple(self.params_by_name[n] for n in m.tied_params):
-            if p.trainable and p.name not in self.unsharded_grads:
-                self.unsharded_grads[p.name] = g.alloc(COMPUTE, f"{p.name} unsharded grad", "unsharded_grads", p.numel * s.param_bytes)
+        grads = self.unsharded_grads
+        for p in m.params + tuple(self.params_by_name[n] for n in m.tied_params) if m.tied_params else m.params:
+            if p.trainable and p.name not in grads:
+                grads[p.name] = g.alloc(COMPUTE, f"{p.name} unsharded grad", "unsharded_grads", p.numel * s.param_bytes)
         if self.grad_output is not None:
             g.free(COMPUTE, self.grad_output)
         if nxt is None:

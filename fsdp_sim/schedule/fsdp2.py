@@ -19,7 +19,7 @@ from fsdp_sim.schedule.float8 import Float8AllGather, float8_unit_bytes
 from fsdp_sim.schedule.fsdp2_reduce import SHARD_GROUP, GradientReduction
 from fsdp_sim.schedule.ops import Buffer, Op, OpGraph
 from fsdp_sim.schedule.optimizers import state_bytes
-from fsdp_sim.schedule.param_dtypes import gathered_itemsize, unit_bytes
+from fsdp_sim.schedule.param_dtypes import gathered_itemsize, unit_shards
 from fsdp_sim.schedule.settings import FSDPSettings, post_forward_group
 from fsdp_sim.workload.model import Module, Workload
 from fsdp_sim.wrap import Unit
@@ -59,10 +59,11 @@ class FSDP2Runtime(AutogradStep, GradientReduction, Float8AllGather):
         self.post_forward_order: list[Unit] = []
         self.accumulated_grads: dict[str, Buffer] = {}  # kept across micro-batches without gradient sync
         self.output_dtypes: dict[str, str] = {}  # a module's output cast away from the compute dtype, by module
-        # per-rank shard sizes, computed once: every hook asks for them
-        self.trainable_shard = {u.name: u.shard_numel(settings.shard_size, trainable_only=True) for u in units}
-        # mixed dtypes (param_dtypes.py), float8 weights all-gathered in fp8 (float8.py)
-        self.unit_bytes = {u.name: float8_unit_bytes(u, settings, unit_bytes(u, settings)) for u in units}
+        # per-rank shard sizes (param_dtypes.py: mixed dtypes), looked up once: every hook asks for them
+        self.shards = {u.name: unit_shards(u, settings) for u in units}
+        self.trainable_shard = {name: sum(shards.trainable) for name, shards in self.shards.items()}
+        # float8 weights all-gathered in fp8 (float8.py)
+        self.unit_bytes = {u.name: float8_unit_bytes(u, settings, self.shards[u.name].bytes) for u in units}
         self.post_forward_index: dict[str, int] = {}
         # per micro-batch: set_requires_gradient_sync, set_requires_all_reduce, set_reshard_after_backward
         self.reduce_grads = True
@@ -161,6 +162,10 @@ class FSDP2Runtime(AutogradStep, GradientReduction, Float8AllGather):
             return m
         return replace(m, fwd_temp_bytes=max(0, m.fwd_temp_bytes - prev.output_bytes * 4 // self.s.param_bytes))
 
+    def optimizer_shards(self) -> list[int]:
+        """`AutogradStep.optimizer_shards` from the shards `__init__` looked up (no pass over the parameters)."""
+        return [n for u in self.units for n in self.shards[u.name].trainable]
+
     def _persistent_state(self) -> None:
         """Sharded parameters (dim-0 padded, each in its stored dtype) and optimizer states exist before the
         step; the states are `zeros_like(param)` (torch.optim's `_init_group`), in the trainable ones' dtype."""
@@ -169,8 +174,8 @@ class FSDP2Runtime(AutogradStep, GradientReduction, Float8AllGather):
             g.unit = u.name
             if u.params:  # hold_state: on the host under CPUOffloadPolicy (offload.py)
                 self.hold_state(f"{u.name} sharded params", "sharded_params", self.unit_bytes[u.name].sharded)
-            shards = [(-(-p.shape[0] // s.shard_size), *p.shape[1:]) if p.shape else () for p in u.params if p.trainable]
-            states = state_bytes(s.optimizer, s.momentum, shards, s.storage_bytes)  # optimizers.py
+            shapes = self.shards[u.name].trainable_shapes
+            states = state_bytes(s.optimizer, s.momentum, shapes, s.storage_bytes)  # optimizers.py
             if states:
                 self.hold_state(f"{u.name} {s.optimizer} states", "optimizer_states", states)
 
@@ -312,6 +317,8 @@ class FSDP2Runtime(AutogradStep, GradientReduction, Float8AllGather):
     # ---- gradient accumulation without sync (set_requires_gradient_sync(False)) ---------------
     def accumulate_unsharded_grads(self, u: Unit) -> None:
         """FSDPParam.accumulate_unsharded_grad_if_needed: add this backward's grad into the kept one."""
+        if not self.accumulated_grads:  # nothing kept (every micro-batch syncs): skip the walk over the params
+            return
         for p in u.params:
             if p.name in self.accumulated_grads and p.name in self.unsharded_grads:
                 grad = self.unsharded_grads.pop(p.name)

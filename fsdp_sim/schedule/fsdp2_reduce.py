@@ -37,10 +37,11 @@ class GradientReduction:
         shard = self.trainable_shard[u.name]
         rs_in = g.alloc(COMPUTE, f"{u.name} reduce-scatter input", "reduce_scatter_buffers", shard * s.shard_size * s.reduce_bytes)
         # a gradient accumulated over earlier micro-batches (in reduce_dtype) replaces this backward's
-        grads = [self.accumulated_grads.pop(p.name, None) or self.unsharded_grads.pop(p.name)
-                 for p in u.params if p.name in self.accumulated_grads or p.name in self.unsharded_grads]
+        accumulated, unsharded = self.accumulated_grads, self.unsharded_grads
+        grads = [accumulated.pop(p.name, None) or unsharded.pop(p.name)
+                 for p in u.params if p.name in accumulated or p.name in unsharded]
         copy_in = g.add("copy", COMPUTE, f"{u.name} reduce-scatter copy-in",
-                        hbm_bytes=sum(b.nbytes for b in grads) + rs_in.nbytes)
+                        hbm_bytes=sum([b.nbytes for b in grads]) + rs_in.nbytes)
         for buf in grads:
             g.free(COMPUTE, buf)
         existing = self.sharded_grads.get(u.name)  # from an earlier micro-batch

@@ -83,28 +83,41 @@ class OpGraph:
 
     def add(self, kind: str, stream: str, name: str, *, deps=(), flops=0.0, hbm_bytes=0.0,
             comm_bytes=0.0, group="", buffer=None, measured_s=None, kernels=(), kernel_pass="", launches=1) -> Op:
-        ids = tuple([d.id for d in deps if d is not None]) if deps else ()
-        op = Op(len(self.ops), kind, stream, name, self.unit, self.phase, ids, flops, hbm_bytes, comm_bytes, group,
-                buffer, measured_s, kernels, kernel_pass, launches)
-        if self._stream_waits and stream in self._stream_waits:
-            op.deps = ids + tuple(e.id for e in self._stream_waits.pop(stream))
-        if self._synchronize is not None:
-            op.cpu_wait, self._synchronize = self._synchronize.id, None
+        op = Op(len(self.ops), kind, stream, name, self.unit, self.phase, _event_ids(deps) if deps else (), flops,
+                hbm_bytes, comm_bytes, group, buffer, measured_s, kernels, kernel_pass, launches)
+        if self._stream_waits or self._synchronize is not None:
+            self._take_waits(op)
         self.ops.append(op)
         return op
 
+    def _take_waits(self, op: Op) -> None:
+        """Give `op` what `wait_event` left for its stream and what `synchronize` left for the CPU."""
+        if op.stream in self._stream_waits:
+            op.deps += tuple(e.id for e in self._stream_waits.pop(op.stream))
+        if self._synchronize is not None:
+            op.cpu_wait, self._synchronize = self._synchronize.id, None
+
+    # alloc and free build their Op directly, with positional arguments (Op's field order), rather than
+    # through `add`: two of every three ops are theirs, and each keyword call costs more than the op itself
     def alloc(self, stream: str, name: str, category: str, nbytes: int, *, deps=()) -> Buffer:
         buf = Buffer(len(self.buffers), name, category, int(nbytes), self.unit)
         self.buffers.append(buf)
-        self.add("alloc", stream, name, deps=deps, buffer=buf)
+        op = Op(len(self.ops), "alloc", stream, name, self.unit, self.phase, _event_ids(deps) if deps else (),
+                0.0, 0.0, 0.0, "", buf)
+        if self._stream_waits or self._synchronize is not None:
+            self._take_waits(op)
+        self.ops.append(op)
         return buf
 
     def free(self, stream: str, buf: Buffer, *, deps=(), record_stream: str = "") -> Op:
         """Free `buf` on `stream`. `record_stream`: the tensor was recorded on that stream
         (`Tensor.record_stream`, as FSDP1 frees), so the caching allocator may reuse its block only once
         that stream has passed the work it had queued when the free was issued."""
-        op = self.add("free", stream, buf.name, deps=deps, buffer=buf)
-        op.record_stream = record_stream
+        op = Op(len(self.ops), "free", stream, buf.name, self.unit, self.phase, _event_ids(deps) if deps else (),
+                0.0, 0.0, 0.0, "", buf, None, (), "", 1, record_stream)
+        if self._stream_waits or self._synchronize is not None:
+            self._take_waits(op)
+        self.ops.append(op)
         return op
 
     def persistent_alloc(self, name: str, category: str, nbytes: int) -> Buffer:
@@ -126,3 +139,8 @@ class OpGraph:
             for d in op.deps:
                 g.add_edge(d, op.id, why="event")
         return g
+
+
+def _event_ids(deps) -> tuple[int, ...]:
+    """The ids of the events an op waits on (None: no event)."""
+    return tuple([d.id for d in deps if d is not None])

@@ -56,7 +56,42 @@ class UnitBytes:
     cast: int
 
 
+@dataclass(frozen=True, slots=True)
+class UnitShards:
+    """What a unit's hooks and the optimizer size from, per rank: its bytes, and each trainable parameter's
+    dim-0 shard (padded to the largest chunk) in elements and as the local shape the optimizer's states
+    are `zeros_like` of."""
+
+    bytes: UnitBytes
+    trainable: tuple[int, ...]
+    trainable_shapes: tuple[tuple[int, ...], ...]
+
+
+_UNIT_SHARDS: dict[tuple, UnitShards] = {}
+_UNIT_SHARDS_LIMIT = 4096  # entries (a few per unit of each model and mesh a process sweeps), then start over
+
+
+def unit_shards(u: Unit, s: FSDPSettings) -> UnitShards:
+    """The unit's shard sizes, cached: every point of a sweep rebuilds the same units, and the walk over
+    each parameter's shape and dtypes was a fifth of a point's graph build.
+
+    The key is complete: the sizes read only the parameters (a Param's hash and equality cover all its
+    fields: name, shape, dtype, trainable), the shard group's size, and `storage_dtype` and `param_dtype`
+    (`storage_bytes` and `param_bytes` are their item sizes)."""
+    key = (u.params, s.shard_size, s.storage_dtype, s.param_dtype)
+    shards = _UNIT_SHARDS.get(key)
+    if shards is None:
+        if len(_UNIT_SHARDS) >= _UNIT_SHARDS_LIMIT:
+            _UNIT_SHARDS.clear()
+        shards = _UNIT_SHARDS[key] = _unit_shards(u, s)
+    return shards
+
+
 def unit_bytes(u: Unit, s: FSDPSettings) -> UnitBytes:
+    return unit_shards(u, s).bytes
+
+
+def _unit_shards(u: Unit, s: FSDPSettings) -> UnitShards:
     world = s.shard_size
     sharded = gathered = cast = 0
     for p in u.params:
@@ -64,4 +99,6 @@ def unit_bytes(u: Unit, s: FSDPSettings) -> UnitBytes:
         sharded += n * stored_itemsize(p, s)
         gathered += n * gathered_itemsize(p, s)
         cast += n * s.param_bytes if casts(p, s) else 0
-    return UnitBytes(sharded, gathered, cast)
+    trainable = [p for p in u.params if p.trainable]
+    return UnitShards(UnitBytes(sharded, gathered, cast), tuple(p.padded_shard_numel(world) for p in trainable),
+                      tuple((-(-p.shape[0] // world), *p.shape[1:]) if p.shape else () for p in trainable))

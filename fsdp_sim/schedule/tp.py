@@ -42,13 +42,15 @@ class TensorParallelCompute:
     """Mixin of a runtime (`AutogradStep`): `module_compute` emits a module's compute op, split around the TP
     collectives when `settings.tp > 1`. Needs `self.g`, `self.s` (FSDPSettings) and `self.wl`."""
 
-    def module_compute(self, stream: str, name: str, kernels: tuple[Kernel, ...], kernel_pass: str, **work) -> None:
-        """The compute op `name` of a module's `kernels` run as `kernel_pass`; `work`: `OpGraph.add`'s
-        flops, hbm_bytes and measured_s (a measured module is not split: its collectives are unknown)."""
+    def module_compute(self, stream: str, name: str, kernels: tuple[Kernel, ...], kernel_pass: str, *,
+                       flops: float, hbm_bytes: float, measured_s: float | None) -> None:
+        """The compute op `name` of a module's `kernels` run as `kernel_pass`, with `OpGraph.add`'s flops,
+        hbm_bytes and measured_s (a measured module is not split: its collectives are unknown)."""
         g, s = self.g, self.s
-        items = self._tp_items(kernels, kernel_pass) if s.tp > 1 and kernels and work.get("measured_s") is None else None
+        items = self._tp_items(kernels, kernel_pass) if s.tp > 1 and kernels and measured_s is None else None
         if not items:
-            g.add("compute", stream, name, kernels=kernels, kernel_pass=kernel_pass, **work)
+            g.add("compute", stream, name, flops=flops, hbm_bytes=hbm_bytes, measured_s=measured_s, kernels=kernels,
+                  kernel_pass=kernel_pass)
             return
         run: list[Kernel] = []
         part = 0
