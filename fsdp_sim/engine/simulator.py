@@ -25,7 +25,7 @@ sequence number), deterministic.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -37,6 +37,9 @@ import simpy
 from fsdp_sim.schedule.ops import COLLECTIVES, TIMED_KINDS, Op
 
 Slowdown = Callable[[Op, list[Op]], float]
+
+_TIMED = frozenset(TIMED_KINDS)  # a set: one hash probe per op instead of up to five string compares
+_COLLECTIVE = frozenset(COLLECTIVES)
 
 
 @dataclass(slots=True)
@@ -71,7 +74,7 @@ class _Device:
         if now > self.last:
             self._advance(now)
         running[op.id] = [op, work, 1.0, then]
-        if op.kind in COLLECTIVES:
+        if op.kind in _COLLECTIVE:
             self.collectives += 1
         if self.collectives or self.contended:
             self._rerate()
@@ -127,7 +130,7 @@ class _Device:
         thens = []
         for i in done:
             op, _, _, then = running.pop(i)
-            if op.kind in COLLECTIVES:
+            if op.kind in _COLLECTIVE:
                 self.collectives -= 1
             thens.append(then)
         self._rerate()
@@ -145,13 +148,10 @@ class _Player:
     CPU's issue times and the device's completions are timeouts.
     """
 
-    def __init__(self, ops: list[Op], duration: Callable[[Op], float], issued: list[float],
-                 slowdown: Slowdown | None) -> None:
+    def __init__(self, n: int, issued: list[float], slowdown: Slowdown | None) -> None:
         self.env = simpy.Environment()
-        self.ops, self.issued = ops, issued
-        self.durations = [duration(op) if op.kind in TIMED_KINDS else 0.0 for op in ops]
+        self.issued = issued
         self.device = _Device(self.env, slowdown, self.kick) if slowdown is not None else None
-        n = len(ops)
         self.start, self.end = [0.0] * n, [0.0] * n
         self.finished = [False] * n
         self.arrived = [False] * n
@@ -184,13 +184,13 @@ class _Player:
         else:
             self.device.run(op, dur, then)
 
-    def stream(self, queue: list[Op]) -> Callable[[], None]:
-        """The resume function of a stream taking `queue` in order."""
-        return _Stream(self, queue).advance
+    def stream(self, items: list[tuple]) -> Callable[[], None]:
+        """The resume function of a stream taking its queue (`_queues`' items) in order."""
+        return _Stream(self, items).advance
 
-    def lane(self, queue: list[Op]) -> Callable[[], None]:
+    def lane(self, items: list[tuple]) -> Callable[[], None]:
         """The resume function of a process group's lane: its collectives one at a time, in issue order."""
-        return _Lane(self, queue).advance
+        return _Lane(self, items).advance
 
 
 class _Stream:
@@ -202,9 +202,9 @@ class _Stream:
 
     __slots__ = ("player", "items", "pos", "waited")
 
-    def __init__(self, player: _Player, queue: list[Op]) -> None:
+    def __init__(self, player: _Player, items: list[tuple]) -> None:
         self.player = player
-        self.items = [(op.id, op.deps, op.kind in COLLECTIVES, player.durations[op.id], op) for op in queue]
+        self.items = items  # (id, deps, collective?, seconds alone, op): unpacked at once in the hot loop
         self.pos = 0
         self.waited = -1  # the position whose issue time was waited for: it is not waited for again
 
@@ -266,26 +266,25 @@ class _Lane:
 
     __slots__ = ("player", "queue", "pos")
 
-    def __init__(self, player: _Player, queue: list[Op]) -> None:
-        self.player, self.queue, self.pos = player, queue, 0
+    def __init__(self, player: _Player, queue: list[tuple]) -> None:
+        self.player, self.queue, self.pos = player, queue, 0  # queue: (id, seconds alone, op)
 
     def advance(self) -> None:
         p, queue = self.player, self.queue
         while self.pos < len(queue):
-            op = queue[self.pos]
-            i = op.id
+            i, dur, op = queue[self.pos]
             if not p.arrived[i]:
                 p.arrivals[i] = self.advance
                 return
             p.start[i] = p.env.now
-            if (dur := p.durations[i]) > 0:
+            if dur > 0:
                 p._timed(op, dur, self._done)
                 return
             p._finish(i)
             self.pos += 1
 
     def _done(self) -> None:
-        self.player._finish(self.queue[self.pos].id)
+        self.player._finish(self.queue[self.pos][0])
         self.pos += 1
         self.advance()
 
@@ -301,12 +300,12 @@ class _IssueThread:
     for that op to finish, as a stream waits an event, and the streams that reached an op not yet issued
     resume when it is."""
 
-    def __init__(self, player: _Player, host: list[float], first: int) -> None:
-        self.player, self.host, self.next = player, host, first
+    def __init__(self, player: _Player, ops: list[Op], host: list[float], first: int) -> None:
+        self.player, self.ops, self.host, self.next = player, ops, host, first
         self.clock = player.issued[first - 1] if first else 0.0  # when the CPU issued the op before `next`
 
     def resume(self) -> None:
-        p, ops, issued = self.player, self.player.ops, self.player.issued
+        p, ops, issued = self.player, self.ops, self.player.issued
         t = self.clock
         while self.next < len(ops):
             wait = ops[self.next].cpu_wait
@@ -328,23 +327,18 @@ def play(ops: list[Op], duration: Callable[[Op], float], *, host_s: Callable[[Op
     """Simulate `ops` (issue order); `duration(op)` prices timed ops alone on the GPU (alloc and free take
     no time), `host_s(op)` is the CPU issue thread's cost of op (none if omitted), `slowdown(op, running)`
     the factor >= 1 by which op runs slower beside the ops in `running` (none if omitted)."""
-    issued = list(accumulate(map(host_s, ops))) if host_s is not None else [0.0] * len(ops)
-    blocking = [op for op in ops if op.cpu_wait >= 0]
-    if blocking:  # issue times past the first synchronize are known only as the step plays
-        issued[blocking[0].id:] = [_NOT_ISSUED] * (len(ops) - blocking[0].id)
-    player = _Player(ops, duration, issued, slowdown)
-    if blocking:
-        _IssueThread(player, [host_s(op) for op in ops] if host_s is not None else [0.0] * len(ops),
-                     blocking[0].id).resume()
-    streams: dict[str, list[Op]] = {}
-    lanes: dict[str, list[Op]] = {}
-    for op in ops:
-        streams.setdefault(op.stream, []).append(op)
-        if op.kind in COLLECTIVES:
-            lanes.setdefault(op.group, []).append(op)
+    host = list(map(host_s, ops)) if host_s is not None else [0.0] * len(ops)  # asked once, kept for _IssueThread
+    issued = list(accumulate(host))
+    first_wait = next((op.id for op in ops if op.cpu_wait >= 0), -1)
+    if first_wait >= 0:  # issue times past the first synchronize are known only as the step plays
+        issued[first_wait:] = [_NOT_ISSUED] * (len(ops) - first_wait)
+    player = _Player(len(ops), issued, slowdown)
+    if first_wait >= 0:
+        _IssueThread(player, ops, host, first_wait).resume()
+    streams, lanes = _queues(ops, duration)
     player.draining = True  # every stream, then every lane, starts at time 0 in this order
-    player.ready.extend(player.stream(queue) for queue in streams.values())
-    player.ready.extend(player.lane(queue) for queue in lanes.values())
+    player.ready.extend(player.stream(items) for items in streams.values())
+    player.ready.extend(player.lane(items) for items in lanes.values())
     player.draining = False
     player.kick(lambda: None)
     player.env.run()
@@ -353,3 +347,21 @@ def play(ops: list[Op], duration: Callable[[Op], float], *, host_s: Callable[[Op
         first = next(op for op, done in zip(ops, player.finished) if not done)
         raise RuntimeError(f"deadlock: ops never ran, first {first.name!r}")
     return Timing(np.array(player.start), np.array(player.end), np.array(issued))
+
+
+def _queues(ops: list[Op], duration: Callable[[Op], float]) -> tuple[dict[str, list[tuple]], dict[str, list[tuple]]]:
+    """Each stream's queue of (id, deps, collective?, seconds alone, op) and each process group's lane of
+    (id, seconds alone, op), in issue order, keyed in order of first use; one pass pricing each timed op once."""
+    streams: defaultdict[str, list[tuple]] = defaultdict(list)
+    lanes: defaultdict[str, list[tuple]] = defaultdict(list)
+    for op in ops:
+        kind = op.kind
+        if kind not in _TIMED:
+            streams[op.stream].append((op.id, op.deps, False, 0.0, op))
+        elif kind in _COLLECTIVE:
+            dur = duration(op)
+            streams[op.stream].append((op.id, op.deps, True, dur, op))
+            lanes[op.group].append((op.id, dur, op))
+        else:
+            streams[op.stream].append((op.id, op.deps, False, duration(op), op))
+    return streams, lanes
