@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from itertools import accumulate
 
 import numpy as np
@@ -58,18 +57,18 @@ class Timing:
 class _Device:
     """Runs timed ops concurrently, each at 1 / slowdown of its own speed given what else runs."""
 
-    def __init__(self, env: simpy.Environment, slowdown: Slowdown, kick: Callable[[Callable[[], None]], None]) -> None:
-        self.env, self.slowdown, self.kick = env, slowdown, kick
+    def __init__(self, player: _Player, slowdown: Slowdown) -> None:
+        self.player, self.env, self.slowdown, self.kick = player, player.env, slowdown, player.kick
         self.running: dict[int, list] = {}  # op id -> [op, remaining uncontended seconds, slowdown, then]
         self.last = 0.0
-        self.generation = 0
-        self.wake_at, self.wake_op = float("inf"), -1  # the pending wake-up: when, and which op it completes
+        self.wake: simpy.Timeout | None = None  # the pending wake-up: any other that fires is stale
+        self.wake_at, self.wake_op = float("inf"), -1  # when it fires, and which op it completes
         self.collectives = 0  # running collectives: without one nothing contends
         self.contended = False  # some running op's slowdown is not 1
 
     def run(self, op: Op, work: float, then: Callable[[], None]) -> None:
         """Start op with `work` uncontended seconds; `then()` is queued when it completes."""
-        now = self.env.now
+        now = self.player.now
         running = self.running
         if now > self.last:
             self._advance(now)
@@ -77,9 +76,9 @@ class _Device:
         if op.kind in _COLLECTIVE:
             self.collectives += 1
         if self.collectives or self.contended:
-            self._rerate()
+            self._rerate(now)
         elif self.wake_op not in running or now + work < self.wake_at:
-            self._schedule(work, op.id)  # uncontended: only whether this op ends first matters
+            self._schedule(now, work, op.id)  # uncontended: only whether this op ends first matters
 
     def _advance(self, now: float) -> None:
         """Progress every running op to `now` (later than the last advance) at its rate."""
@@ -88,7 +87,7 @@ class _Device:
             r[1] -= dt / r[2]
         self.last = now
 
-    def _rerate(self) -> None:
+    def _rerate(self, now: float) -> None:
         running = self.running
         changed = False
         if self.collectives and len(running) > 1:
@@ -109,31 +108,36 @@ class _Device:
                 soonest, first = r[1] * r[2], i
         if first < 0:
             return
-        if not changed and self.wake_op in running and self.env.now + soonest >= self.wake_at:
+        if not changed and self.wake_op in running and now + soonest >= self.wake_at:
             return  # no rate moved and nothing ends sooner: the pending wake-up still holds
-        self._schedule(soonest, first)
+        self._schedule(now, soonest, first)
 
-    def _schedule(self, delay: float, first: int) -> None:
+    def _schedule(self, now: float, delay: float, first: int) -> None:
         """Wake up after `delay` to complete op `first`; any earlier pending wake-up goes stale."""
         delay = max(delay, 0.0)
-        self.generation += 1
-        self.wake_at, self.wake_op = self.env.now + delay, first
-        self.env.timeout(delay).callbacks.append(partial(self._wake, self.generation, first))
+        self.wake_at, self.wake_op = now + delay, first
+        self.wake = self.env.timeout(delay)
+        self.wake.callbacks.append(self._wake)
 
-    def _wake(self, generation: int, first: int, _event: simpy.Event) -> None:
-        if generation != self.generation:
+    def _wake(self, event: simpy.Timeout) -> None:
+        if event is not self.wake:
             return  # the running set changed since this wake-up was scheduled
         running = self.running
-        if (now := self.env.now) > self.last:
+        self.player.now = now = self.env.now
+        if now > self.last:
             self._advance(now)
-        done = [i for i, r in running.items() if i == first or r[1] * r[2] <= 1e-15]
+        first = self.wake_op
+        if len(running) == 1:  # the common case: only `first` runs, nothing else can end with it
+            done = (first,)
+        else:
+            done = [i for i, r in running.items() if i == first or r[1] * r[2] <= 1e-15]
         thens = []
         for i in done:
             op, _, _, then = running.pop(i)
             if op.kind in _COLLECTIVE:
                 self.collectives -= 1
             thens.append(then)
-        self._rerate()
+        self._rerate(now)
         for then in thens:
             self.kick(then)
 
@@ -150,8 +154,9 @@ class _Player:
 
     def __init__(self, n: int, issued: list[float], slowdown: Slowdown | None) -> None:
         self.env = simpy.Environment()
+        self.now = 0.0  # env.now, read once per SimPy event (a property, else read ~1,000 times a step)
         self.issued = issued
-        self.device = _Device(self.env, slowdown, self.kick) if slowdown is not None else None
+        self.device = _Device(self, slowdown) if slowdown is not None else None
         self.start, self.end = [0.0] * n, [0.0] * n
         self.finished = [False] * n
         self.arrived = [False] * n
@@ -172,15 +177,20 @@ class _Player:
             ready.popleft()()
         self.draining = False
 
+    def at_timeout(self, resume: Callable[[], None]) -> None:
+        """What a SimPy timeout's callback does: the clock moves to the timeout's time, then `resume` runs."""
+        self.now = self.env.now
+        self.kick(resume)
+
     def _finish(self, i: int) -> None:
-        self.end[i] = self.env.now
+        self.end[i] = self.now
         self.finished[i] = True
         if (resumes := self.waiters.pop(i, None)) is not None:
             self.ready.extend(resumes)
 
     def _timed(self, op: Op, dur: float, then: Callable[[], None]) -> None:
         if self.device is None:
-            self.env.timeout(dur).callbacks.append(lambda _e: self.kick(then))
+            self.env.timeout(dur).callbacks.append(lambda _e: self.at_timeout(then))
         else:
             self.device.run(op, dur, then)
 
@@ -211,7 +221,7 @@ class _Stream:
     def advance(self) -> None:
         p, items = self.player, self.items
         env, start, end, finished, waiters, issued, ready = p.env, p.start, p.end, p.finished, p.waiters, p.issued, p.ready
-        now = env.now
+        now = p.now
         pos = self.pos
         while pos < len(items):
             i, deps, collective, dur, op = items[pos]
@@ -250,7 +260,7 @@ class _Stream:
         self.pos = pos
 
     def _issued(self, _event: simpy.Event) -> None:
-        self.player.kick(self.advance)
+        self.player.at_timeout(self.advance)
 
     def _timed_done(self) -> None:
         self.player._finish(self.items[self.pos][0])
@@ -276,7 +286,7 @@ class _Lane:
             if not p.arrived[i]:
                 p.arrivals[i] = self.advance
                 return
-            p.start[i] = p.env.now
+            p.start[i] = p.now
             if dur > 0:
                 p._timed(op, dur, self._done)
                 return
