@@ -104,8 +104,8 @@ class _Device:
             self.contended = False
         soonest, first = float("inf"), -1
         for i, r in running.items():
-            if r[1] * r[2] < soonest:
-                soonest, first = r[1] * r[2], i
+            if (left := r[1] * r[2]) < soonest:
+                soonest, first = left, i
         if first < 0:
             return
         if not changed and self.wake_op in running and now + soonest >= self.wake_at:
@@ -114,23 +114,29 @@ class _Device:
 
     def _schedule(self, now: float, delay: float, first: int) -> None:
         """Wake up after `delay` to complete op `first`; any earlier pending wake-up goes stale."""
-        delay = max(delay, 0.0)
+        if delay < 0.0:  # as max(delay, 0.0), without the call
+            delay = 0.0
         self.wake_at, self.wake_op = now + delay, first
-        self.wake = self.env.timeout(delay)
-        self.wake.callbacks.append(self._wake)
+        self.wake = wake = self.env.timeout(delay)
+        wake.callbacks.append(self._wake)
 
     def _wake(self, event: simpy.Timeout) -> None:
         if event is not self.wake:
             return  # the running set changed since this wake-up was scheduled
         running = self.running
         self.player.now = now = self.env.now
+        first = self.wake_op
+        if len(running) == 1:  # the common case: `first` ran alone and the device is idle now
+            self.last = now
+            op, _, _, then = running.pop(first)
+            if op.kind in _COLLECTIVE:
+                self.collectives -= 1
+            self.contended = False  # what _rerate does with nothing running
+            self.kick(then)
+            return
         if now > self.last:
             self._advance(now)
-        first = self.wake_op
-        if len(running) == 1:  # the common case: only `first` runs, nothing else can end with it
-            done = (first,)
-        else:
-            done = [i for i, r in running.items() if i == first or r[1] * r[2] <= 1e-15]
+        done = [i for i, r in running.items() if i == first or r[1] * r[2] <= 1e-15]
         thens = []
         for i in done:
             op, _, _, then = running.pop(i)
@@ -220,28 +226,29 @@ class _Stream:
 
     def advance(self) -> None:
         p, items = self.player, self.items
-        env, start, end, finished, waiters, issued, ready = p.env, p.start, p.end, p.finished, p.waiters, p.issued, p.ready
+        start, end, finished, waiters, issued = p.start, p.end, p.finished, p.waiters, p.issued
         now = p.now
-        pos = self.pos
-        while pos < len(items):
+        pos, n = self.pos, len(items)
+        while pos < n:
             i, deps, collective, dur, op = items[pos]
-            for d in deps:
-                if not finished[d]:
-                    self.pos = pos
-                    waiters.setdefault(d, []).append(self.advance)
-                    return
-            if self.waited != pos and issued[i] > now:
+            if deps:  # most ops wait on none: no iterator made for them
+                for d in deps:
+                    if not finished[d]:
+                        self.pos = pos
+                        waiters.setdefault(d, []).append(self.advance)
+                        return
+            if issued[i] > now and self.waited != pos:
                 self.pos = pos
                 if issued[i] == _NOT_ISSUED:  # behind a CPU synchronize: resumed once it returns
                     p.unissued.append(self.advance)
                     return
                 self.waited = pos
-                env.timeout(issued[i] - now).callbacks.append(self._issued)
+                p.env.timeout(issued[i] - now).callbacks.append(self._issued)
                 return
             if collective:
                 p.arrived[i] = True
                 if (lane := p.arrivals.pop(i, None)) is not None:
-                    ready.append(lane)
+                    p.ready.append(lane)
                 if not finished[i]:
                     self.pos = pos
                     waiters.setdefault(i, []).append(self._next)
@@ -253,9 +260,10 @@ class _Stream:
                 self.pos = pos
                 p._timed(op, dur, self._timed_done)
                 return
-            end[i], finished[i] = now, True
+            end[i] = now
+            finished[i] = True
             if waiters and (resumes := waiters.pop(i, None)) is not None:
-                ready.extend(resumes)
+                p.ready.extend(resumes)
             pos += 1
         self.pos = pos
 
