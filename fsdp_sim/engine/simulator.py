@@ -63,6 +63,7 @@ class _Device:
         self.last = 0.0
         self.wake: simpy.Timeout | None = None  # the pending wake-up: any other that fires is stale
         self.wake_at, self.wake_op = float("inf"), -1  # when it fires, and which op it completes
+        self.unmade: float | None = None  # the delay of a wake-up decided but not yet made a timeout (`flush`)
         self.collectives = 0  # running collectives: without one nothing contends
         self.contended = False  # some running op's slowdown is not 1
 
@@ -117,8 +118,16 @@ class _Device:
         if delay < 0.0:  # as max(delay, 0.0), without the call
             delay = 0.0
         self.wake_at, self.wake_op = now + delay, first
-        self.wake = wake = self.env.timeout(delay)
-        wake.callbacks.append(self._wake)
+        self.unmade = delay
+
+    def flush(self) -> None:
+        """Make the decided wake-up a SimPy timeout. The player calls this before any other timeout is made
+        and before control returns to SimPy, so the timeout gets the place in SimPy's order it would have had
+        if made at `_schedule`; a wake-up replaced within one callback (a quarter of them) is never made."""
+        if self.unmade is not None:
+            self.wake = wake = self.env.timeout(self.unmade)
+            wake.callbacks.append(self._wake)
+            self.unmade = None
 
     def _wake(self, event: simpy.Timeout) -> None:
         if event is not self.wake:
@@ -182,6 +191,14 @@ class _Player:
         while ready:
             ready.popleft()()
         self.draining = False
+        if self.device is not None:
+            self.device.flush()  # every SimPy callback ends here: its wake-up is made before SimPy goes on
+
+    def timeout(self, delay: float) -> simpy.Timeout:
+        """A SimPy timeout after `delay`, made after the device's decided wake-up (see `_Device.flush`)."""
+        if self.device is not None:
+            self.device.flush()
+        return self.env.timeout(delay)
 
     def at_timeout(self, resume: Callable[[], None]) -> None:
         """What a SimPy timeout's callback does: the clock moves to the timeout's time, then `resume` runs."""
@@ -196,7 +213,7 @@ class _Player:
 
     def _timed(self, op: Op, dur: float, then: Callable[[], None]) -> None:
         if self.device is None:
-            self.env.timeout(dur).callbacks.append(lambda _e: self.at_timeout(then))
+            self.timeout(dur).callbacks.append(lambda _e: self.at_timeout(then))
         else:
             self.device.run(op, dur, then)
 
@@ -243,7 +260,7 @@ class _Stream:
                     p.unissued.append(self.advance)
                     return
                 self.waited = pos
-                p.env.timeout(issued[i] - now).callbacks.append(self._issued)
+                p.timeout(issued[i] - now).callbacks.append(self._issued)
                 return
             if collective:
                 p.arrived[i] = True
