@@ -175,7 +175,8 @@ class _Player:
         self.start, self.end = [0.0] * n, [0.0] * n
         self.finished = [False] * n
         self.arrived = [False] * n
-        self.waiters: dict[int, list[Callable[[], None]]] = {}  # op id -> what resumes when it finishes
+        # by op id: what resumes when it finishes (a list, not a dict: every op that ends looks itself up)
+        self.waiters: list[list[Callable[[], None]] | None] = [None] * n
         self.arrivals: dict[int, Callable[[], None]] = {}  # collective id -> its lane, waiting for it
         self.ready: deque[Callable[[], None]] = deque()
         self.draining = False
@@ -205,10 +206,18 @@ class _Player:
         self.now = self.env.now
         self.kick(resume)
 
+    def wait_for(self, i: int, resume: Callable[[], None]) -> None:
+        """Queue `resume` when op i (not finished) finishes, after what already waits on it."""
+        if (resumes := self.waiters[i]) is None:
+            self.waiters[i] = [resume]
+        else:
+            resumes.append(resume)
+
     def _finish(self, i: int) -> None:
         self.end[i] = self.now
         self.finished[i] = True
-        if (resumes := self.waiters.pop(i, None)) is not None:
+        if (resumes := self.waiters[i]) is not None:
+            self.waiters[i] = None  # dropped once run: a resume function refers back to the player
             self.ready.extend(resumes)
 
     def _timed(self, op: Op, dur: float, then: Callable[[], None]) -> None:
@@ -252,7 +261,7 @@ class _Stream:
                 for d in deps:
                     if not finished[d]:
                         self.pos = pos
-                        waiters.setdefault(d, []).append(self.advance)
+                        p.wait_for(d, self.advance)
                         return
             if issued[i] > now and self.waited != pos:
                 self.pos = pos
@@ -268,7 +277,7 @@ class _Stream:
                     p.ready.append(lane)
                 if not finished[i]:
                     self.pos = pos
-                    waiters.setdefault(i, []).append(self._next)
+                    p.wait_for(i, self._next)
                     return
                 pos += 1
                 continue
@@ -279,7 +288,8 @@ class _Stream:
                 return
             end[i] = now
             finished[i] = True
-            if waiters and (resumes := waiters.pop(i, None)) is not None:
+            if (resumes := waiters[i]) is not None:
+                waiters[i] = None
                 p.ready.extend(resumes)
             pos += 1
         self.pos = pos
@@ -346,7 +356,7 @@ class _IssueThread:
             wait = ops[self.next].cpu_wait
             if wait >= 0:
                 if not p.finished[wait]:
-                    p.waiters.setdefault(wait, []).append(self.resume)
+                    p.wait_for(wait, self.resume)
                     break
                 t = max(t, p.end[wait])
             t += self.host[self.next]
