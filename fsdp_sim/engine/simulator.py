@@ -246,7 +246,7 @@ class _Stream:
 
     def __init__(self, player: _Player, items: list[tuple]) -> None:
         self.player = player
-        self.items = items  # (id, deps, collective?, seconds alone, op): unpacked at once in the hot loop
+        self.items = items  # `_queues`' items: a tuple unpacked at once, or an untimed op's id alone
         self.pos = 0
         self.waited = -1  # the position whose issue time was waited for: it is not waited for again
 
@@ -256,8 +256,11 @@ class _Stream:
         now = p.now
         pos, n = self.pos, len(items)
         while pos < n:
-            i, deps, collective, dur, op = items[pos]
-            if deps:  # most ops wait on none: no iterator made for them
+            item = items[pos]
+            if item.__class__ is int:  # an alloc or free waiting on nothing
+                i, collective, dur = item, False, 0.0
+            else:
+                i, deps, collective, dur, op = item
                 for d in deps:
                     if not finished[d]:
                         self.pos = pos
@@ -395,14 +398,15 @@ def play(ops: list[Op], duration: Callable[[Op], float], *, host_s: Callable[[Op
 
 
 def _queues(ops: list[Op], duration: Callable[[Op], float]) -> tuple[dict[str, list[tuple]], dict[str, list[tuple]]]:
-    """Each stream's queue of (id, deps, collective?, seconds alone, op) and each process group's lane of
-    (id, seconds alone, op), in issue order, keyed in order of first use; one pass pricing each timed op once."""
+    """Each stream's queue of (id, deps, collective?, seconds alone, op), or the id alone of an alloc or
+    free that waits on nothing, and each process group's lane of (id, seconds alone, op), in issue order,
+    keyed in order of first use; one pass pricing each timed op once."""
     streams: defaultdict[str, list[tuple]] = defaultdict(list)
     lanes: defaultdict[str, list[tuple]] = defaultdict(list)
     for op in ops:
         kind = op.kind
-        if kind not in _TIMED:
-            streams[op.stream].append((op.id, op.deps, False, 0.0, op))
+        if kind not in _TIMED:  # most ops, and most wait on none: those are their id alone, no tuple
+            streams[op.stream].append((op.id, op.deps, False, 0.0, op) if op.deps else op.id)
         elif kind in _COLLECTIVE:
             dur = duration(op)
             streams[op.stream].append((op.id, op.deps, True, dur, op))
