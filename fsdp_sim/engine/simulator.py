@@ -25,10 +25,9 @@ sequence number), deterministic.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from itertools import accumulate
 
 import numpy as np
@@ -37,6 +36,9 @@ import simpy
 from fsdp_sim.schedule.ops import COLLECTIVES, TIMED_KINDS, Op
 
 Slowdown = Callable[[Op, list[Op]], float]
+
+_TIMED = frozenset(TIMED_KINDS)  # a set: one hash probe per op instead of up to five string compares
+_COLLECTIVE = frozenset(COLLECTIVES)
 
 
 @dataclass(slots=True)
@@ -55,28 +57,29 @@ class Timing:
 class _Device:
     """Runs timed ops concurrently, each at 1 / slowdown of its own speed given what else runs."""
 
-    def __init__(self, env: simpy.Environment, slowdown: Slowdown, kick: Callable[[Callable[[], None]], None]) -> None:
-        self.env, self.slowdown, self.kick = env, slowdown, kick
+    def __init__(self, player: _Player, slowdown: Slowdown) -> None:
+        self.player, self.env, self.slowdown, self.kick = player, player.env, slowdown, player.kick
         self.running: dict[int, list] = {}  # op id -> [op, remaining uncontended seconds, slowdown, then]
         self.last = 0.0
-        self.generation = 0
-        self.wake_at, self.wake_op = float("inf"), -1  # the pending wake-up: when, and which op it completes
+        self.wake: simpy.Timeout | None = None  # the pending wake-up: any other that fires is stale
+        self.wake_at, self.wake_op = float("inf"), -1  # when it fires, and which op it completes
+        self.unmade: float | None = None  # the delay of a wake-up decided but not yet made a timeout (`flush`)
         self.collectives = 0  # running collectives: without one nothing contends
         self.contended = False  # some running op's slowdown is not 1
 
     def run(self, op: Op, work: float, then: Callable[[], None]) -> None:
         """Start op with `work` uncontended seconds; `then()` is queued when it completes."""
-        now = self.env.now
+        now = self.player.now
         running = self.running
         if now > self.last:
             self._advance(now)
         running[op.id] = [op, work, 1.0, then]
-        if op.kind in COLLECTIVES:
+        if op.kind in _COLLECTIVE:
             self.collectives += 1
         if self.collectives or self.contended:
-            self._rerate()
+            self._rerate(now)
         elif self.wake_op not in running or now + work < self.wake_at:
-            self._schedule(work, op.id)  # uncontended: only whether this op ends first matters
+            self._schedule(now, work, op.id)  # uncontended: only whether this op ends first matters
 
     def _advance(self, now: float) -> None:
         """Progress every running op to `now` (later than the last advance) at its rate."""
@@ -85,7 +88,7 @@ class _Device:
             r[1] -= dt / r[2]
         self.last = now
 
-    def _rerate(self) -> None:
+    def _rerate(self, now: float) -> None:
         running = self.running
         changed = False
         if self.collectives and len(running) > 1:
@@ -102,35 +105,54 @@ class _Device:
             self.contended = False
         soonest, first = float("inf"), -1
         for i, r in running.items():
-            if r[1] * r[2] < soonest:
-                soonest, first = r[1] * r[2], i
+            if (left := r[1] * r[2]) < soonest:
+                soonest, first = left, i
         if first < 0:
             return
-        if not changed and self.wake_op in running and self.env.now + soonest >= self.wake_at:
+        if not changed and self.wake_op in running and now + soonest >= self.wake_at:
             return  # no rate moved and nothing ends sooner: the pending wake-up still holds
-        self._schedule(soonest, first)
+        self._schedule(now, soonest, first)
 
-    def _schedule(self, delay: float, first: int) -> None:
+    def _schedule(self, now: float, delay: float, first: int) -> None:
         """Wake up after `delay` to complete op `first`; any earlier pending wake-up goes stale."""
-        delay = max(delay, 0.0)
-        self.generation += 1
-        self.wake_at, self.wake_op = self.env.now + delay, first
-        self.env.timeout(delay).callbacks.append(partial(self._wake, self.generation, first))
+        if delay < 0.0:  # as max(delay, 0.0), without the call
+            delay = 0.0
+        self.wake_at, self.wake_op = now + delay, first
+        self.unmade = delay
 
-    def _wake(self, generation: int, first: int, _event: simpy.Event) -> None:
-        if generation != self.generation:
+    def flush(self) -> None:
+        """Make the decided wake-up a SimPy timeout. The player calls this before any other timeout is made
+        and before control returns to SimPy, so the timeout gets the place in SimPy's order it would have had
+        if made at `_schedule`; a wake-up replaced within one callback (a quarter of them) is never made."""
+        if self.unmade is not None:
+            self.wake = wake = self.env.timeout(self.unmade)
+            wake.callbacks.append(self._wake)
+            self.unmade = None
+
+    def _wake(self, event: simpy.Timeout) -> None:
+        if event is not self.wake:
             return  # the running set changed since this wake-up was scheduled
         running = self.running
-        if (now := self.env.now) > self.last:
+        self.player.now = now = self.env.now
+        first = self.wake_op
+        if len(running) == 1:  # the common case: `first` ran alone and the device is idle now
+            self.last = now
+            op, _, _, then = running.pop(first)
+            if op.kind in _COLLECTIVE:
+                self.collectives -= 1
+            self.contended = False  # what _rerate does with nothing running
+            self.kick(then)
+            return
+        if now > self.last:
             self._advance(now)
         done = [i for i, r in running.items() if i == first or r[1] * r[2] <= 1e-15]
         thens = []
         for i in done:
             op, _, _, then = running.pop(i)
-            if op.kind in COLLECTIVES:
+            if op.kind in _COLLECTIVE:
                 self.collectives -= 1
             thens.append(then)
-        self._rerate()
+        self._rerate(now)
         for then in thens:
             self.kick(then)
 
@@ -145,17 +167,16 @@ class _Player:
     CPU's issue times and the device's completions are timeouts.
     """
 
-    def __init__(self, ops: list[Op], duration: Callable[[Op], float], issued: list[float],
-                 slowdown: Slowdown | None) -> None:
+    def __init__(self, n: int, issued: list[float], slowdown: Slowdown | None) -> None:
         self.env = simpy.Environment()
-        self.ops, self.issued = ops, issued
-        self.durations = [duration(op) if op.kind in TIMED_KINDS else 0.0 for op in ops]
-        self.device = _Device(self.env, slowdown, self.kick) if slowdown is not None else None
-        n = len(ops)
+        self.now = 0.0  # env.now, read once per SimPy event (a property, else read ~1,000 times a step)
+        self.issued = issued
+        self.device = _Device(self, slowdown) if slowdown is not None else None
         self.start, self.end = [0.0] * n, [0.0] * n
         self.finished = [False] * n
         self.arrived = [False] * n
-        self.waiters: dict[int, list[Callable[[], None]]] = {}  # op id -> what resumes when it finishes
+        # by op id: what resumes when it finishes (a list, not a dict: every op that ends looks itself up)
+        self.waiters: list[list[Callable[[], None]] | None] = [None] * n
         self.arrivals: dict[int, Callable[[], None]] = {}  # collective id -> its lane, waiting for it
         self.ready: deque[Callable[[], None]] = deque()
         self.draining = False
@@ -171,26 +192,47 @@ class _Player:
         while ready:
             ready.popleft()()
         self.draining = False
+        if self.device is not None:
+            self.device.flush()  # every SimPy callback ends here: its wake-up is made before SimPy goes on
+
+    def timeout(self, delay: float) -> simpy.Timeout:
+        """A SimPy timeout after `delay`, made after the device's decided wake-up (see `_Device.flush`)."""
+        if self.device is not None:
+            self.device.flush()
+        return self.env.timeout(delay)
+
+    def at_timeout(self, resume: Callable[[], None]) -> None:
+        """What a SimPy timeout's callback does: the clock moves to the timeout's time, then `resume` runs."""
+        self.now = self.env.now
+        self.kick(resume)
+
+    def wait_for(self, i: int, resume: Callable[[], None]) -> None:
+        """Queue `resume` when op i (not finished) finishes, after what already waits on it."""
+        if (resumes := self.waiters[i]) is None:
+            self.waiters[i] = [resume]
+        else:
+            resumes.append(resume)
 
     def _finish(self, i: int) -> None:
-        self.end[i] = self.env.now
+        self.end[i] = self.now
         self.finished[i] = True
-        if (resumes := self.waiters.pop(i, None)) is not None:
+        if (resumes := self.waiters[i]) is not None:
+            self.waiters[i] = None  # dropped once run: a resume function refers back to the player
             self.ready.extend(resumes)
 
     def _timed(self, op: Op, dur: float, then: Callable[[], None]) -> None:
         if self.device is None:
-            self.env.timeout(dur).callbacks.append(lambda _e: self.kick(then))
+            self.timeout(dur).callbacks.append(lambda _e: self.at_timeout(then))
         else:
             self.device.run(op, dur, then)
 
-    def stream(self, queue: list[Op]) -> Callable[[], None]:
-        """The resume function of a stream taking `queue` in order."""
-        return _Stream(self, queue).advance
+    def stream(self, items: list[tuple]) -> Callable[[], None]:
+        """The resume function of a stream taking its queue (`_queues`' items) in order."""
+        return _Stream(self, items).advance
 
-    def lane(self, queue: list[Op]) -> Callable[[], None]:
+    def lane(self, items: list[tuple]) -> Callable[[], None]:
         """The resume function of a process group's lane: its collectives one at a time, in issue order."""
-        return _Lane(self, queue).advance
+        return _Lane(self, items).advance
 
 
 class _Stream:
@@ -202,39 +244,43 @@ class _Stream:
 
     __slots__ = ("player", "items", "pos", "waited")
 
-    def __init__(self, player: _Player, queue: list[Op]) -> None:
+    def __init__(self, player: _Player, items: list[tuple]) -> None:
         self.player = player
-        self.items = [(op.id, op.deps, op.kind in COLLECTIVES, player.durations[op.id], op) for op in queue]
+        self.items = items  # `_queues`' items: a tuple unpacked at once, or an untimed op's id alone
         self.pos = 0
         self.waited = -1  # the position whose issue time was waited for: it is not waited for again
 
     def advance(self) -> None:
         p, items = self.player, self.items
-        env, start, end, finished, waiters, issued, ready = p.env, p.start, p.end, p.finished, p.waiters, p.issued, p.ready
-        now = env.now
-        pos = self.pos
-        while pos < len(items):
-            i, deps, collective, dur, op = items[pos]
-            for d in deps:
-                if not finished[d]:
-                    self.pos = pos
-                    waiters.setdefault(d, []).append(self.advance)
-                    return
-            if self.waited != pos and issued[i] > now:
+        start, end, finished, waiters, issued = p.start, p.end, p.finished, p.waiters, p.issued
+        now = p.now
+        pos, n = self.pos, len(items)
+        while pos < n:
+            item = items[pos]
+            if item.__class__ is int:  # an alloc or free waiting on nothing
+                i, collective, dur = item, False, 0.0
+            else:
+                i, deps, collective, dur, op = item
+                for d in deps:
+                    if not finished[d]:
+                        self.pos = pos
+                        p.wait_for(d, self.advance)
+                        return
+            if issued[i] > now and self.waited != pos:
                 self.pos = pos
                 if issued[i] == _NOT_ISSUED:  # behind a CPU synchronize: resumed once it returns
                     p.unissued.append(self.advance)
                     return
                 self.waited = pos
-                env.timeout(issued[i] - now).callbacks.append(self._issued)
+                p.timeout(issued[i] - now).callbacks.append(self._issued)
                 return
             if collective:
                 p.arrived[i] = True
                 if (lane := p.arrivals.pop(i, None)) is not None:
-                    ready.append(lane)
+                    p.ready.append(lane)
                 if not finished[i]:
                     self.pos = pos
-                    waiters.setdefault(i, []).append(self._next)
+                    p.wait_for(i, self._next)
                     return
                 pos += 1
                 continue
@@ -243,14 +289,16 @@ class _Stream:
                 self.pos = pos
                 p._timed(op, dur, self._timed_done)
                 return
-            end[i], finished[i] = now, True
-            if waiters and (resumes := waiters.pop(i, None)) is not None:
-                ready.extend(resumes)
+            end[i] = now
+            finished[i] = True
+            if (resumes := waiters[i]) is not None:
+                waiters[i] = None
+                p.ready.extend(resumes)
             pos += 1
         self.pos = pos
 
     def _issued(self, _event: simpy.Event) -> None:
-        self.player.kick(self.advance)
+        self.player.at_timeout(self.advance)
 
     def _timed_done(self) -> None:
         self.player._finish(self.items[self.pos][0])
@@ -266,26 +314,25 @@ class _Lane:
 
     __slots__ = ("player", "queue", "pos")
 
-    def __init__(self, player: _Player, queue: list[Op]) -> None:
-        self.player, self.queue, self.pos = player, queue, 0
+    def __init__(self, player: _Player, queue: list[tuple]) -> None:
+        self.player, self.queue, self.pos = player, queue, 0  # queue: (id, seconds alone, op)
 
     def advance(self) -> None:
         p, queue = self.player, self.queue
         while self.pos < len(queue):
-            op = queue[self.pos]
-            i = op.id
+            i, dur, op = queue[self.pos]
             if not p.arrived[i]:
                 p.arrivals[i] = self.advance
                 return
-            p.start[i] = p.env.now
-            if (dur := p.durations[i]) > 0:
+            p.start[i] = p.now
+            if dur > 0:
                 p._timed(op, dur, self._done)
                 return
             p._finish(i)
             self.pos += 1
 
     def _done(self) -> None:
-        self.player._finish(self.queue[self.pos].id)
+        self.player._finish(self.queue[self.pos][0])
         self.pos += 1
         self.advance()
 
@@ -301,18 +348,18 @@ class _IssueThread:
     for that op to finish, as a stream waits an event, and the streams that reached an op not yet issued
     resume when it is."""
 
-    def __init__(self, player: _Player, host: list[float], first: int) -> None:
-        self.player, self.host, self.next = player, host, first
+    def __init__(self, player: _Player, ops: list[Op], host: list[float], first: int) -> None:
+        self.player, self.ops, self.host, self.next = player, ops, host, first
         self.clock = player.issued[first - 1] if first else 0.0  # when the CPU issued the op before `next`
 
     def resume(self) -> None:
-        p, ops, issued = self.player, self.player.ops, self.player.issued
+        p, ops, issued = self.player, self.ops, self.player.issued
         t = self.clock
         while self.next < len(ops):
             wait = ops[self.next].cpu_wait
             if wait >= 0:
                 if not p.finished[wait]:
-                    p.waiters.setdefault(wait, []).append(self.resume)
+                    p.wait_for(wait, self.resume)
                     break
                 t = max(t, p.end[wait])
             t += self.host[self.next]
@@ -328,23 +375,18 @@ def play(ops: list[Op], duration: Callable[[Op], float], *, host_s: Callable[[Op
     """Simulate `ops` (issue order); `duration(op)` prices timed ops alone on the GPU (alloc and free take
     no time), `host_s(op)` is the CPU issue thread's cost of op (none if omitted), `slowdown(op, running)`
     the factor >= 1 by which op runs slower beside the ops in `running` (none if omitted)."""
-    issued = list(accumulate(map(host_s, ops))) if host_s is not None else [0.0] * len(ops)
-    blocking = [op for op in ops if op.cpu_wait >= 0]
-    if blocking:  # issue times past the first synchronize are known only as the step plays
-        issued[blocking[0].id:] = [_NOT_ISSUED] * (len(ops) - blocking[0].id)
-    player = _Player(ops, duration, issued, slowdown)
-    if blocking:
-        _IssueThread(player, [host_s(op) for op in ops] if host_s is not None else [0.0] * len(ops),
-                     blocking[0].id).resume()
-    streams: dict[str, list[Op]] = {}
-    lanes: dict[str, list[Op]] = {}
-    for op in ops:
-        streams.setdefault(op.stream, []).append(op)
-        if op.kind in COLLECTIVES:
-            lanes.setdefault(op.group, []).append(op)
+    host = list(map(host_s, ops)) if host_s is not None else [0.0] * len(ops)  # asked once, kept for _IssueThread
+    issued = list(accumulate(host))
+    first_wait = next((op.id for op in ops if op.cpu_wait >= 0), -1)
+    if first_wait >= 0:  # issue times past the first synchronize are known only as the step plays
+        issued[first_wait:] = [_NOT_ISSUED] * (len(ops) - first_wait)
+    player = _Player(len(ops), issued, slowdown)
+    if first_wait >= 0:
+        _IssueThread(player, ops, host, first_wait).resume()
+    streams, lanes = _queues(ops, duration)
     player.draining = True  # every stream, then every lane, starts at time 0 in this order
-    player.ready.extend(player.stream(queue) for queue in streams.values())
-    player.ready.extend(player.lane(queue) for queue in lanes.values())
+    player.ready.extend(player.stream(items) for items in streams.values())
+    player.ready.extend(player.lane(items) for items in lanes.values())
     player.draining = False
     player.kick(lambda: None)
     player.env.run()
@@ -353,3 +395,22 @@ def play(ops: list[Op], duration: Callable[[Op], float], *, host_s: Callable[[Op
         first = next(op for op, done in zip(ops, player.finished) if not done)
         raise RuntimeError(f"deadlock: ops never ran, first {first.name!r}")
     return Timing(np.array(player.start), np.array(player.end), np.array(issued))
+
+
+def _queues(ops: list[Op], duration: Callable[[Op], float]) -> tuple[dict[str, list[tuple]], dict[str, list[tuple]]]:
+    """Each stream's queue of (id, deps, collective?, seconds alone, op), or the id alone of an alloc or
+    free that waits on nothing, and each process group's lane of (id, seconds alone, op), in issue order,
+    keyed in order of first use; one pass pricing each timed op once."""
+    streams: defaultdict[str, list[tuple]] = defaultdict(list)
+    lanes: defaultdict[str, list[tuple]] = defaultdict(list)
+    for op in ops:
+        kind = op.kind
+        if kind not in _TIMED:  # most ops, and most wait on none: those are their id alone, no tuple
+            streams[op.stream].append((op.id, op.deps, False, 0.0, op) if op.deps else op.id)
+        elif kind in _COLLECTIVE:
+            dur = duration(op)
+            streams[op.stream].append((op.id, op.deps, True, dur, op))
+            lanes[op.group].append((op.id, dur, op))
+        else:
+            streams[op.stream].append((op.id, op.deps, False, duration(op), op))
+    return streams, lanes
