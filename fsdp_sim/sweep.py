@@ -72,7 +72,7 @@ def _row(result) -> dict:
     memory = result.memory
     at = result.peak_row
     op = memory.events[at - 1][0] if at else None
-    reserved, allocated = memory.reserved_bytes, int(memory.levels[at].sum())
+    reserved, allocated = memory.reserved_bytes, int(memory.total[at])
     mem = result.memory_summary({"reserved_bytes": reserved, "allocated_bytes": allocated})
     (exposed, overlap), mfu, tp = result.exposed_communication(), result.mfu(), result.throughput()
     return {"step_time_s": result.step_time_s, "tokens_per_s_per_gpu": tp["tokens_per_s_per_gpu"],
