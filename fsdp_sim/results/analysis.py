@@ -88,23 +88,27 @@ class StepResult:
             collectives: list[Op] = []
             cpu_bound = 0.0
             stream_free = 0.0  # when the compute stream finished its previous op
-            for op in self.graph.ops:
+            for op in self.graph.ops:  # the tests ordered so that the commonest ops pass the fewest
                 kind = op.kind
-                if kind in COLLECTIVES:
+                if op.stream != "compute":
+                    if kind in COLLECTIVES:
+                        collectives.append(op)
+                    continue
+                if kind == "alloc" or kind == "free":  # most ops: the stream reaches them, no kernel runs
+                    pass
+                elif kind in COLLECTIVES:  # queued on the compute stream, a collective is communication all the same
                     collectives.append(op)
                     continue
-                if op.stream != "compute":
-                    continue
+                else:
+                    kernels.append(op)
                 i = op.id
                 # the stream idled for the CPU when the op was ready (stream free, events done) before issue;
-                # an op issued before the stream was free never was (its deps are not looked at: most ops)
+                # an op issued by the time the stream was free never was (its deps need no look: most ops)
                 if issued[i] > stream_free:
                     ready = max([stream_free] + [end[d] for d in op.deps])
                     if issued[i] > ready:
                         cpu_bound += float(self.timing.start[i]) - ready
                 stream_free = end[i]
-                if kind != "alloc" and kind != "free":
-                    kernels.append(op)
             self._activity_cache = (self._union(kernels), collectives, kernels, cpu_bound)
         return self._activity_cache
 
