@@ -137,7 +137,7 @@ MAX_REMEMBERED_WORKLOADS = 256  # as many as build_transformer keeps
 def _derived(workload: Workload, key: Any, derive: Callable[[], Any]) -> Any:
     """`derive()`, remembered for this workload object and `key` (what is derived, with the other arguments
     it takes). A sweep's points share workloads (build_transformer caches them), and a workload's module
-    bytes and FSDP units are a third of a parse. The object is a complete key: a Workload, its modules and
+    bytes and FSDP units are over half of a parse. The object is a complete key: a Workload, its modules and
     parameters are frozen; it is held here, so its id is not another's while remembered."""
     entry = _BY_WORKLOAD.get(id(workload))
     if entry is None or entry[0] is not workload:

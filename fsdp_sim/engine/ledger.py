@@ -31,7 +31,7 @@ class MemoryTrace:
 
     time: np.ndarray  # (n+1,) seconds
     levels: np.ndarray  # (n+1, len(CATEGORIES)) bytes per category after each event
-    total: np.ndarray  # (n+1,) bytes after each event: each row of `levels` summed (from the events: a tenth of the time)
+    total: np.ndarray  # (n+1,) bytes after each event: each row of `levels` summed (from the events: a quarter of the time)
     events: list[tuple[Op, Buffer, int]]  # (op, buffer, +1 alloc / -1 free), row i+1
     persistent: list[Buffer]
     live_at_end: list[Buffer]
