@@ -72,16 +72,15 @@ def _row(result) -> dict:
     memory = result.memory
     at = result.peak_row
     op = memory.events[at - 1][0] if at else None
-    reserved, allocated = memory.reserved_bytes, int(memory.levels[at].sum())
+    reserved, allocated = memory.reserved_bytes, int(memory.total[at])
     mem = result.memory_summary({"reserved_bytes": reserved, "allocated_bytes": allocated})
-    comm, comp, tp = result.communication(), result.compute(), result.throughput()
+    (exposed, overlap), mfu, tp = result.exposed_communication(), result.mfu(), result.throughput()
     return {"step_time_s": result.step_time_s, "tokens_per_s_per_gpu": tp["tokens_per_s_per_gpu"],
             "tokens_per_step": tp["tokens_per_step"], "peak_allocated_bytes": allocated,
             "peak_reserved_bytes": reserved, "required_bytes": mem["required_bytes"], "fits": mem["fits"],
-            "within_budget": mem["within_budget"], "headroom_bytes": mem["headroom_bytes"], "communication_exposed_s": comm["exposed_s"],
-            "overlap_fraction": comm["overlap_fraction"], "mfu": comp["mfu"],
-            "cpu_bound_s": comp["breakdown"]["cpu_bound_s"], "peak_phase": op.phase if op else "before step",
-            "error": ""}
+            "within_budget": mem["within_budget"], "headroom_bytes": mem["headroom_bytes"], "communication_exposed_s": exposed,
+            "overlap_fraction": overlap, "mfu": mfu, "cpu_bound_s": result.cpu_bound_s(),
+            "peak_phase": op.phase if op else "before step", "error": ""}
 
 
 def run_point(data: dict, base: Path) -> dict:
