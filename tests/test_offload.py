@@ -89,7 +89,7 @@ def test_the_optimizer_steps_on_the_cpu_at_torch_cpu_adam_speed():
     (step,) = [op for op in result.graph.ops if op.stream == "host"]
     s = result.scenario.settings
     shards = [p.padded_shard_numel(s.shard_size) for u in result.scenario.units for p in u.params]
-    traffic = step_cost("adamw", "for_loop", True, shards).traffic_bytes
+    traffic = step_cost("adamw", "for_loop", True, shards, 4).traffic_bytes
     assert step.comm_bytes == traffic
     duration = result.timing.end[step.id] - result.timing.start[step.id]
     assert duration == pytest.approx(traffic * 8 / TORCH_CPU_OPTIMIZER_BYTES_PER_S, rel=1e-12)

@@ -14,25 +14,35 @@ SHARDS = [1000, 4000, 250]
 
 
 def test_foreach_adamw_allocates_one_shard_sized_sqrt_and_makes_eight_passes():
-    c = step_cost("adamw", "foreach", True, SHARDS)
+    c = step_cost("adamw", "foreach", True, SHARDS, 4)
     assert (c.states, c.temp_bytes, c.traffic_bytes, c.launches) == (2, 4 * 5250, 80 * 5250, 8)
 
 
 def test_for_loop_adam_holds_two_copies_of_the_largest_shard_and_launches_per_parameter():
-    c = step_cost("adam", "for_loop", True, SHARDS)
+    c = step_cost("adam", "for_loop", True, SHARDS, 4)
     assert (c.temp_bytes, c.traffic_bytes, c.launches) == (2 * 4 * 4000, 72 * 5250, 7 * 3)
 
 
 def test_fused_adamw_has_no_temporaries_and_one_pass():
-    c = step_cost("adamw", "fused", True, SHARDS + [FOREACH_ELEMENTS_PER_LAUNCH])
+    c = step_cost("adamw", "fused", True, SHARDS + [FOREACH_ELEMENTS_PER_LAUNCH], 4)
     assert (c.temp_bytes, c.traffic_bytes, c.launches) == (0, 28 * (5250 + FOREACH_ELEMENTS_PER_LAUNCH), 2)
 
 
+def test_bf16_parameters_step_in_bf16_temporaries_and_traffic():
+    """A model stored in bf16: `zeros_like(p)` states and `_foreach_sqrt(exp_avg_sqs)` are bf16, every
+    pass moves half the fp32 bytes."""
+    fp32, bf16 = step_cost("adamw", "foreach", True, SHARDS, 4), step_cost("adamw", "foreach", True, SHARDS, 2)
+    assert (bf16.temp_bytes, bf16.traffic_bytes, bf16.launches) == (2 * 5250, 40 * 5250, fp32.launches)
+    assert step_cost("adamw", "for_loop", True, SHARDS, 2).temp_bytes == 2 * 2 * 4000
+    assert step_cost("adamw", "fused", True, SHARDS, 2).traffic_bytes == 14 * 5250
+    assert step_cost("adamw8bit", "foreach", True, [8192], 2).traffic_bytes == (3 * 2 + 4) * 8192
+
+
 def test_sgd_without_momentum_keeps_no_state():
-    assert step_cost("sgd", "foreach", False, SHARDS).states == 0
-    c = step_cost("sgd", "foreach", True, SHARDS)
+    assert step_cost("sgd", "foreach", False, SHARDS, 4).states == 0
+    c = step_cost("sgd", "foreach", True, SHARDS, 4)
     assert (c.states, c.temp_bytes, c.traffic_bytes) == (1, 0, 32 * 5250)
-    assert step_cost("sgd", "foreach", False, SHARDS).traffic_bytes == 12 * 5250
+    assert step_cost("sgd", "foreach", False, SHARDS, 4).traffic_bytes == 12 * 5250
 
 
 def _optimizer_peak(impl: str, optimizer: str = "adamw") -> tuple[int, int]:
@@ -82,7 +92,7 @@ def test_adafactor_factors_the_second_moment_of_matrices_and_keeps_a_vectors_who
 
 
 def test_adamw8bit_step_reads_and_writes_sixteen_bytes_of_a_quantized_element():
-    c = step_cost("adamw8bit", "foreach", True, [8192, 1000])
+    c = step_cost("adamw8bit", "foreach", True, [8192, 1000], 4)
     assert (c.temp_bytes, c.traffic_bytes, c.launches) == (0, 16 * 8192 + 28 * 1000, 2)
 
 
@@ -102,10 +112,11 @@ def test_adafactor_is_refused_on_fsdp2_with_the_reason():
 
 
 @pytest.mark.parametrize("case_id", ["adam-foreach-small-batch", "adamw-for-loop-small-batch", "adam-for-loop-small-batch",
-                                     "adamw-fused-small-batch", "sgd-no-momentum", "sgd-no-momentum-small-batch"])
+                                     "adamw-fused-small-batch", "sgd-no-momentum", "sgd-no-momentum-small-batch",
+                                     "bf16-storage-adamw-foreach-small-batch", "bf16-storage-adamw-for-loop-small-batch"])
 def test_optimizer_implementations_agree_with_fsdp_mem_tracker(case_id):
-    """torch.optim's foreach, for-loop and fused paths and SGD without momentum under FSDPMemTracker: the
-    step's peak and the overall peak within 2 %."""
+    """torch.optim's foreach, for-loop and fused paths, SGD without momentum and a model stored in bf16
+    under FSDPMemTracker: the step's peak and the overall peak within 2 %."""
     pytest.importorskip("torch")
     from fsdp_sim.torch_tools.technique_referee import relative_errors
 

@@ -123,13 +123,13 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
         return [p.padded_shard_numel(self.s.shard_size) for u in self.units for p in u.params if p.trainable]
 
     def optimizer_step(self, last_reduce: Op | None) -> None:
-        """The optimizer step on the sharded fp32 parameters (see `optimizers.py`), then
+        """The optimizer step on the sharded parameters, in their storage dtype (see `optimizers.py`), then
         zero_grad(set_to_none=True)."""
         g, s = self.g, self.s
         g.phase, g.unit = "optimizer", ""
         if s.offload_params:  # CPUOffloadPolicy: torch.optim steps the host shards on the CPU (offload.py)
             return self.cpu_optimizer_step(last_reduce, self.optimizer_shards())
-        cost = step_cost(s.optimizer, s.optimizer_impl, s.momentum, self.optimizer_shards())
+        cost = step_cost(s.optimizer, s.optimizer_impl, s.momentum, self.optimizer_shards(), s.storage_bytes)
         temp = g.alloc(COMPUTE, f"{s.optimizer}.step temporaries", "optimizer_states", cost.temp_bytes,
                        deps=(last_reduce,)) if cost.temp_bytes else None
         g.add("compute", COMPUTE, f"{s.optimizer}.step", deps=(last_reduce,), hbm_bytes=cost.traffic_bytes,

@@ -159,7 +159,7 @@ class CPUOffload:
         unless fused was asked for (CPU fused Adam(W) exists)."""
         s = self.s
         impl = "fused" if s.optimizer_impl == "fused" else "for_loop"
-        cost = step_cost(s.optimizer, impl, s.momentum, shards)
+        cost = step_cost(s.optimizer, impl, s.momentum, shards, s.storage_bytes)
         self.host.optimizer_temp = cost.temp_bytes
         self.g.add("compute", CPU_STREAM, f"{s.optimizer}.step on the CPU ({impl})", deps=(last_reduce,),
                    comm_bytes=cost.traffic_bytes, group=CPU, launches=0)

@@ -1,19 +1,25 @@
-"""What one optimizer step costs on the sharded fp32 parameters, as torch 2.13's `torch/optim` runs it.
+"""What one optimizer step costs on the sharded parameters, as torch 2.13's `torch/optim` runs it.
 
-`step_cost` returns the state tensors per parameter, the step's transient bytes, its HBM traffic and its
-kernel launches, for the three implementations `torch.optim` has:
+The parameters, their gradients and the states (`torch.zeros_like(p)` in `_init_group`) share the
+parameters' storage dtype: fp32 under FSDP2's mixed precision (the sharded parameters keep their
+original dtype), bf16 for a model stored in bf16; every byte figure below is in elements of that dtype
+(`itemsize` bytes each; the fp32 figures in brackets). `step_cost` returns the state tensors per
+parameter, the step's transient bytes, its HBM traffic and its kernel launches, for the three
+implementations `torch.optim` has:
 - foreach (the default on CUDA): one `torch._foreach_*` op per line of `_multi_tensor_adam` /
   `_multi_tensor_sgd`, each a pass over every shard; Adam(W) allocates `exp_avg_sq_sqrt =
-  torch._foreach_sqrt(exp_avg_sqs)`, one shard-sized list of temporaries. AdamW: mul_(params) (decoupled
-  weight decay) 8 B per element, lerp_(exp_avg, grad) 12, mul_(exp_avg_sq) 8, addcmul_ 12, sqrt 8, div_ 8,
-  add_(eps) 8, addcdiv_(params) 16: 8 passes, 80 B. Adam (weight_decay 0 by default) skips the first.
-  SGD with momentum: mul_(bufs) 8, add_(bufs, grads) 12, add_(params, bufs) 12; without: add_(params,
-  grads) 12. Each pass is one launch per `FOREACH_ELEMENTS_PER_LAUNCH` elements (multi_tensor_apply).
+  torch._foreach_sqrt(device_exp_avg_sqs)`, one shard-sized list of temporaries in the states' dtype.
+  AdamW: mul_(params) (decoupled weight decay) 2 tensor accesses per element [8 B], lerp_(exp_avg,
+  grad) 3 [12], mul_(exp_avg_sq) 2 [8], addcmul_ 3 [12], sqrt 2 [8], div_ 2 [8], add_(eps) 2 [8],
+  addcdiv_(params) 4 [16]: 8 passes, 20 accesses [80 B]. Adam (weight_decay 0 by default) skips the
+  first. SGD with momentum: mul_(bufs) 2, add_(bufs, grads) 3, add_(params, bufs) 3; without:
+  add_(params, grads) 3. Each pass is one launch per `FOREACH_ELEMENTS_PER_LAUNCH` elements
+  (multi_tensor_apply).
 - for_loop (`foreach=False`, `_single_tensor_adam`): the same ops one parameter at a time, so one launch
   per op per parameter; `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)` holds the sqrt
   and the quotient of one parameter at once: 2 x its shard at the peak.
 - fused (`fused=True`, `_fused_adam(w)`): one kernel reads param, grad, exp_avg, exp_avg_sq and writes
-  the three back (28 B per element), no temporaries. torch has fused SGD too, but FSDP2's sharded
+  the three back (7 accesses per element [28 B]), no temporaries. torch has fused SGD too, but FSDP2's sharded
   DTensor parameters cannot take it (issue 8's check), so it is refused.
 
 Two optimizers keep other states than fp32 copies of the parameter (`state_bytes`):
@@ -25,7 +31,8 @@ Two optimizers keep other states than fp32 copies of the parameter (`state_bytes
   element), one fp32 scale per block of 256, and its own 256-entry fp32 quantization map; any other
   shard keeps two `zeros_like` states. Each parameter is stepped by its own compiled `single_param_adam`
   (one graph: dequantize, both lerps, requantize, update), counted as one launch with no temporaries,
-  reading p, g, both codes and writing p and both codes (16 B per element).
+  reading p, g, both codes and writing p and both codes (3 parameter-dtype accesses and 4 B of codes per
+  element [16 B]).
 - `adafactor`: `torch.optim.Adafactor` keeps, for a parameter of >= 2 dimensions, a row factor
   `shape[:-1] + (1,)` and a column factor `shape[:-2] + (1, shape[-1])` of the second moment, and a full
   `variance` for a vector (`_adafactor.py:_init_group`). On FSDP2 it does not run: its `norm(dim=-2)`
@@ -47,18 +54,18 @@ IMPLEMENTATIONS = ("foreach", "for_loop", "fused")
 # multi_tensor_apply: one launch covers at most depth_to_max_blocks chunks of kChunkSize elements:
 # 2240 x 65536 in CUDA >= 13 builds (320 before), torch 2.13's ATen/native/cuda/MultiTensorApply.cuh
 FOREACH_ELEMENTS_PER_LAUNCH = 2240 * 65536
-# (bytes per element, count) of each pass, from the source lines the module docstring lists
+# the tensors each pass reads and writes per element, from the source lines the module docstring lists
 _PASSES = {
-    "adamw": (8, 12, 8, 12, 8, 8, 8, 16),
-    "adam": (12, 8, 12, 8, 8, 8, 16),
-    "sgd": (8, 12, 12),
-    "sgd_plain": (12,),
+    "adamw": (2, 3, 2, 3, 2, 2, 2, 4),
+    "adam": (3, 2, 3, 2, 2, 2, 4),
+    "sgd": (2, 3, 3),
+    "sgd_plain": (3,),
 }
-FUSED_ADAM_BYTES = 4 * (4 + 3)  # read p, g, m, v; write p, m, v (fp32)
+FUSED_ADAM_ACCESSES = 4 + 3  # read p, g, m, v; write p, m, v
 # torchao AdamW8bit: block_size=256, quantized only at >= 4096 elements (`_AdamBase._new_buffer`); the
 # dynamic quantization map is a 256-entry fp32 table per state tensor (`OptimState8bit.zeros`)
 BLOCK_8BIT, MIN_8BIT_NUMEL, QMAP_BYTES = 256, 4096, 256 * 4
-ADAM_8BIT_BYTES = 4 + 4 + 2 + 4 + 2  # read p, g (fp32), both codes; write p, both codes
+ADAM_8BIT_ACCESSES, ADAM_8BIT_CODE_BYTES = 3, 2 + 2  # read p, g, write p (their dtype); read, write both uint8 codes
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,25 +100,26 @@ def state_bytes(optimizer: str, momentum: bool, shapes: list[tuple[int, ...]], i
     return states_per_param(optimizer, momentum) * sum(math.prod(s) for s in shapes) * itemsize
 
 
-def step_cost(optimizer: str, impl: str, momentum: bool, shards: list[int]) -> StepCost:
-    """The step over parameters whose local fp32 shards have `shards` elements each (fused Adam(W) only:
-    the scenario refuses fused SGD)."""
+def step_cost(optimizer: str, impl: str, momentum: bool, shards: list[int], itemsize: int) -> StepCost:
+    """The step over parameters whose local shards have `shards` elements each, stored `itemsize` bytes an
+    element (fused Adam(W) only: the scenario refuses fused SGD)."""
     numel, largest = sum(shards), max(shards, default=0)
     if optimizer == "adamw8bit":
         quantized = sum(n for n in shards if n >= MIN_8BIT_NUMEL and n % BLOCK_8BIT == 0)
-        traffic = ADAM_8BIT_BYTES * quantized + FUSED_ADAM_BYTES * (numel - quantized)
+        traffic = ((ADAM_8BIT_ACCESSES * itemsize + ADAM_8BIT_CODE_BYTES) * quantized
+                   + FUSED_ADAM_ACCESSES * itemsize * (numel - quantized))
         return StepCost(2, 0, traffic, len(shards))
     states = states_per_param(optimizer, momentum)
     if impl == "fused":
         chunks = max(1, -(-numel // FOREACH_ELEMENTS_PER_LAUNCH))
-        return StepCost(states, 0, FUSED_ADAM_BYTES * numel, chunks)
+        return StepCost(states, 0, FUSED_ADAM_ACCESSES * itemsize * numel, chunks)
     passes = _PASSES["sgd" if momentum else "sgd_plain"] if optimizer == "sgd" else _PASSES[optimizer]
-    traffic = sum(passes) * numel
+    traffic = sum(passes) * itemsize * numel
     adam = optimizer in ("adam", "adamw")
     if impl == "foreach":
         launches = len(passes) * max(1, -(-numel // FOREACH_ELEMENTS_PER_LAUNCH))
-        return StepCost(states, 4 * numel if adam else 0, traffic, launches)
-    return StepCost(states, 2 * 4 * largest if adam else 0, traffic, len(passes) * len(shards))
+        return StepCost(states, itemsize * numel if adam else 0, traffic, launches)
+    return StepCost(states, 2 * itemsize * largest if adam else 0, traffic, len(passes) * len(shards))
 
 
 def check_optimizer(optimizer: str, version: int) -> None:

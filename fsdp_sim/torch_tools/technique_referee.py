@@ -99,6 +99,16 @@ def optimizer_factory(optimizer: str, impl: str = "foreach", momentum: bool = Tr
     return make
 
 
+def stored_in_bf16(model) -> None:
+    """A `prepare_model`: the parameters stored in bf16 before `fully_shard`, as `model.to(torch.bfloat16)`
+    leaves them (set through `.data`: `Module.to` swaps tensors, which the fake-tensor mode's weak
+    references forbid)."""
+    import torch
+
+    for param in model.parameters():
+        param.data = param.data.to(torch.bfloat16)
+
+
 # (id, model overrides, run settings, tracker setup, scenario training keys); learned positions: the
 # reference model has no rotary embedding, so q is wq's output as the dimensions' builder then assumes
 _POS = {"learned_pos": True, "max_seq": 128}
@@ -126,6 +136,12 @@ CASES = [
      {"optim_factory": optimizer_factory("adam", "for_loop")}, {"optimizer": "adam", "optimizer_impl": "for_loop"}),
     ("adamw-fused-small-batch", {"vocab": 1000}, {"world_size": 2, "batch": 1, "seq": 16},
      {"optim_factory": optimizer_factory("adamw", "fused")}, {"optimizer_impl": "fused"}),
+    # a model stored in bf16 (no master copy): its states and the step's temporaries are bf16
+    ("bf16-storage-adamw-foreach-small-batch", {"vocab": 1000}, {"world_size": 2, "batch": 1, "seq": 16, "reduce_dtype": None},
+     {"optim_factory": optimizer_factory("adamw"), "prepare_model": stored_in_bf16}, {"param_storage_dtype": "bf16"}),
+    ("bf16-storage-adamw-for-loop-small-batch", {"vocab": 1000}, {"world_size": 2, "batch": 1, "seq": 16, "reduce_dtype": None},
+     {"optim_factory": optimizer_factory("adamw", "for_loop"), "prepare_model": stored_in_bf16},
+     {"param_storage_dtype": "bf16", "optimizer_impl": "for_loop"}),
     ("sgd-no-momentum", {}, {"optimizer": "sgd"}, {"optim_factory": optimizer_factory("sgd", momentum=False)},
      {"momentum": False}),
     ("sgd-no-momentum-small-batch", {"vocab": 1000}, {"world_size": 2, "batch": 1, "seq": 16, "optimizer": "sgd"},
