@@ -37,10 +37,12 @@ class FSDPWalk(AutogradStep):
         self.unsharded: dict[str, Buffer | None] = {u.name: None for u in units}
         self.post_forward_order: list[Unit] = []  # FSDP1's execution order, FSDP2's `_post_forward_indices`
         self.post_forward_index: dict[str, int] = {}
-        self.last_post_reduce_events: dict[str, Op] = {}  # the last reduction op, by stream: what backward's end waits
+        # the last reduction op by stream, what the end of backward waits: FSDP2's
+        # FSDPCommContext._last_post_reduce_events, FSDP1's post-backward and all-reduce streams
+        self.last_post_reduce_events: dict[str, Op] = {}
         # a module's output cast away from the compute dtype, by module: only FSDP2's output_dtype casts
         self.output_dtypes: dict[str, str] = {}
-        self.reduce_grads = True  # this micro-batch reduces its gradients (not set_requires_gradient_sync(False) / no_sync)
+        self.reduce_grads = True  # this micro-batch reduces (not set_requires_gradient_sync(False), not no_sync)
         self.inputs: Buffer | None = None  # the current batch: replaced by the next, kept through the step
 
     # ---- the step -------------------------------------------------------------------------
@@ -129,14 +131,14 @@ class FSDPWalk(AutogradStep):
         raise NotImplementedError
 
     def pre_backward(self, u: Unit) -> None:
-        """The hook on the unit's outputs' gradients (FSDP2's `FSDPState._pre_backward`, FSDP1's `_pre_backward_hook`)."""
+        """The unit's pre-backward hook (FSDP2's `FSDPState._pre_backward`, FSDP1's `_pre_backward_hook`)."""
         raise NotImplementedError
 
     def post_backward(self, u: Unit) -> None:
-        """The hook after the unit's parameters' gradients (FSDP2's `FSDPParamGroup.post_backward`, FSDP1's `_post_backward_hook`)."""
+        """The unit's post-backward hook (FSDP2's `FSDPParamGroup.post_backward`, FSDP1's `_post_backward_hook`)."""
         raise NotImplementedError
 
     def root_post_backward_final_callback(self) -> Op | None:
-        """The end of backward (FSDP2's `_root_post_backward_final_callback`, FSDP1's `_post_backward_final_callback`);
-        returns the op the optimizer step follows."""
+        """The root's end-of-backward callback (FSDP2's `_root_post_backward_final_callback`, FSDP1's
+        `_post_backward_final_callback`): returns the op the optimizer step follows."""
         raise NotImplementedError
