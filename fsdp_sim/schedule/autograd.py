@@ -1,7 +1,7 @@
 """What autograd and the optimizer issue on the compute stream, whatever FSDP runtime wraps them.
 
-A runtime (FSDP2 today, FSDP1 next) subclasses `AutogradStep` and calls `forward_compute` /
-`backward_compute` for each module between its own hooks, and `optimizer_step` at the end; this part
+A runtime subclasses `AutogradStep` (FSDP2 and FSDP1 through `walk.py`'s `FSDPWalk`, plain training
+directly) and calls `forward_compute` / `backward_compute` for each module between its own hooks, and `optimizer_step` at the end; this part
 allocates and frees the activations, the gradients autograd produces and the optimizer's temporaries,
 and emits each module's compute op with its kernels.
 """

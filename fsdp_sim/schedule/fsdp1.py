@@ -6,7 +6,7 @@ calls them: `pre_forward` (`_pre_forward_unshard`), `post_forward` (`_post_forwa
 `_post_backward_final_callback`, and beneath them `unshard` (`_unshard`), `reshard` (`_reshard`) and
 `prefetch` (`_prefetch_handle` with `_get_handle_to_prefetch`). The gradient reduction is in
 `fsdp1_reduce.py`. Which hook runs around which module is the same walk as FSDP2's (both hook the
-same module boundaries), so this class reuses `FSDP2Runtime.build` / `micro_batch` and replaces every hook.
+same module boundaries): `walk.py`'s `FSDPWalk`, which both runtimes subclass.
 
 Each unit is one FlatParameter (`flat_param.py`): its parameters flattened (with `use_orig_params`,
 each aligned to 16 bytes of the compute dtype and the total padded to a multiple of the world size,
@@ -28,12 +28,12 @@ from collections import deque
 
 from fsdp_sim.schedule.autograd import COMPUTE
 from fsdp_sim.schedule.fsdp1_reduce import FlatGradientReduction
-from fsdp_sim.schedule.fsdp2 import FSDP2Runtime
 from fsdp_sim.schedule.fsdp2_reduce import SHARD_GROUP
 from fsdp_sim.schedule.ops import Buffer, Op, OpGraph
 from fsdp_sim.hardware.host_link import H2D
 from fsdp_sim.schedule.optimizers import state_bytes
 from fsdp_sim.schedule.settings import FSDPSettings
+from fsdp_sim.schedule.walk import FSDPWalk
 from fsdp_sim.workload.model import Module, Workload
 from fsdp_sim.wrap import Unit
 
@@ -58,8 +58,8 @@ def flat_param_numel(numels: list[int], world: int, aligned_numel: int) -> int:
     return total
 
 
-class FSDP1Runtime(FlatGradientReduction, FSDP2Runtime):
-    """Walks one step and emits what FullyShardedDataParallel and autograd issue."""
+class FSDP1Runtime(FlatGradientReduction, FSDPWalk):
+    """The FullyShardedDataParallel hooks the walk (`walk.py`) calls, and what they issue beneath."""
 
     def __init__(self, workload: Workload, units: list[Unit], settings: FSDPSettings) -> None:
         super().__init__(workload, units, settings)

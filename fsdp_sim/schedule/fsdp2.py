@@ -2,7 +2,7 @@
 
 One method per hook, in the order PyTorch calls them, so it can be read beside
 `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py` (see docs/fsdp2-runtime.md for the
-source references). Streams: `compute` (current stream), `all_gather_copy_in`, `all_gather`,
+source references); the walk that calls them around the modules is `walk.py`'s, shared with FSDP1. Streams: `compute` (current stream), `all_gather_copy_in`, `all_gather`,
 `reduce_scatter`, `all_reduce`; all collectives of one process group share one NCCL lane, so they
 run in issue order whatever their stream. Process groups: `shard`, `replicate` (HSDP) and, for
 `reshard_after_forward=k` (hpZ), `post_forward_<k>`: the DeviceMesh `_get_post_forward_mesh_info`
@@ -11,65 +11,47 @@ builds, groups of k consecutive ranks that the backward all-gathers run in.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from fsdp_sim.dtypes import itemsize
-from fsdp_sim.schedule.autograd import COMPUTE, AutogradStep
+from fsdp_sim.schedule.autograd import COMPUTE
 from fsdp_sim.schedule.float8 import Float8AllGather, float8_unit_bytes
 from fsdp_sim.schedule.fsdp2_reduce import SHARD_GROUP, GradientReduction
 from fsdp_sim.schedule.ops import Buffer, Op, OpGraph
 from fsdp_sim.schedule.optimizers import state_bytes
 from fsdp_sim.schedule.param_dtypes import gathered_itemsize, unit_shards
 from fsdp_sim.schedule.settings import FSDPSettings, post_forward_group
+from fsdp_sim.schedule.walk import FSDPWalk
 from fsdp_sim.workload.model import Module, Workload
 from fsdp_sim.wrap import Unit
 
 COPY_IN, AG = "all_gather_copy_in", "all_gather"
 
 
-class FSDP2Runtime(AutogradStep, GradientReduction, Float8AllGather):
-    """Walks one step (forward, backward, optimizer step) and emits what FSDP2 and autograd issue."""
+class FSDP2Runtime(FSDPWalk, GradientReduction, Float8AllGather):
+    """The FSDP2 hooks the walk (`walk.py`) calls, and what they issue beneath: unshard, reshard, reduce."""
 
     def __init__(self, workload: Workload, units: list[Unit], settings: FSDPSettings) -> None:
         super().__init__(workload, units, settings)
-        # the root's hooks run around the whole model, an inner unit's around its own modules
-        self.root = units[0]
-        model = [m.name for m in workload.modules if m.in_model]
-        self.model_first, self.model_last = model[0], model[-1]
-        inner = [u for u in units if not u.is_root]
-        self.unit_of = {name: u for u in inner for name in u.modules}
-        self.first = {u.name: u.modules[0] for u in inner}
-        self.last = {u.name: u.modules[-1] for u in inner}
-        self.last_inner = inner[-1].name if inner else None
+        self.last_inner = self.inner[-1].name if self.inner else None
         # what each unit passed to fully_shard (True, False or an hpZ group size) and its output_dtype
         self.reshard_after_forward = {u.name: self._reshard_after_forward_arg(u) for u in units}
         self.output_dtype = {u.name: settings.output_dtype_of(u.name) for u in units}
-        # a unit without parameters has no param group: no all-gather, no place in the prefetch orders
-        self.pre_forward_order = [u for u in units if u.params]
-        self.unsharded: dict[str, Buffer | None] = {u.name: None for u in units}
         self.sharded_post_forward: dict[str, tuple[Buffer, ...]] = {}  # hpZ: the 1/k copies kept after forward
         self.reshard_after_forward_events: dict[str, Op] = {}  # PG._reshard_after_forward_event, by unit
         self.pending_all_gather: dict[str, tuple[Buffer, Op] | None] = {}  # None: shard group of one
         self.all_gather_state: tuple[Buffer, Op] | None = None
         self.all_gather_streams_wait: Op | None = None  # an event the next copy-in waits on
         self.reduce_scatter_state: tuple[Buffer, Op] | None = None  # reduce_scatter_states, at most one (K = 1)
-        self.last_post_reduce_events: dict[str, Op] = {}  # FSDPCommContext._last_post_reduce_events, by stream
         self.all_reduce_states: dict[str, Buffer] = {}  # HSDP: a group's _all_reduce_state, when it holds memory
         self.partial_reduce_outputs: dict[str, Buffer] = {}  # HSDP without all-reduce: PG._partial_reduce_output
-        self.post_forward_order: list[Unit] = []
         self.accumulated_grads: dict[str, Buffer] = {}  # kept across micro-batches without gradient sync
-        self.output_dtypes: dict[str, str] = {}  # a module's output cast away from the compute dtype, by module
         # per-rank shard sizes (param_dtypes.py: mixed dtypes), looked up once: every hook asks for them
         self.shards = {u.name: unit_shards(u, settings) for u in units}
         self.trainable_shard = {name: sum(shards.trainable) for name, shards in self.shards.items()}
         # float8 weights all-gathered in fp8 (float8.py)
         self.unit_bytes = {u.name: float8_unit_bytes(u, settings, self.shards[u.name].bytes) for u in units}
-        self.post_forward_index: dict[str, int] = {}
-        # per micro-batch: set_requires_gradient_sync, set_requires_all_reduce, set_reshard_after_backward
-        self.reduce_grads = True
+        # per micro-batch (set_micro_batch_sync): set_requires_all_reduce, set_reshard_after_backward
         self.all_reduce_grads = True
         self.reshard_after_backward = True
-        self.inputs: Buffer | None = None  # the current batch: replaced by the next, kept through the step
 
     def _reshard_after_forward_arg(self, u: Unit) -> bool | int:
         """The unit's `reshard_after_forward` as its param group holds it after `_lazy_init`.
@@ -86,81 +68,20 @@ class FSDP2Runtime(AutogradStep, GradientReduction, Float8AllGather):
             return False
         return s.reshard_after_forward
 
-    # ---- the step -------------------------------------------------------------------------
-    def build(self) -> OpGraph:
-        """Forward and backward of every micro-batch, then the optimizer step.
+    # ---- the step (the walk is walk.py's) ------------------------------------------------------
+    def set_micro_batch_sync(self, last: bool) -> None:
+        """The FSDP2 setters the training loop calls before each micro-batch: `set_requires_gradient_sync`,
+        `set_requires_all_reduce`, `set_reshard_after_backward`; all but the last micro-batch get the
+        scenario's values, the last one gets True (the gradients are reduced, all-reduced and the
+        parameters resharded once the step's backward ends)."""
+        super().set_micro_batch_sync(last)
+        self.all_reduce_grads = self.s.requires_all_reduce or last
+        self.reshard_after_backward = self.s.reshard_after_backward or last
 
-        Before each micro-batch the training loop calls the FSDP2 setters; all but the last micro-batch
-        get the scenario's values, the last one gets True (the gradients are reduced, all-reduced and
-        the parameters resharded once the step's backward ends).
-        """
-        s = self.s
-        self._persistent_state()
-        last_reduce = None
-        for micro_batch in range(s.grad_accumulation):
-            last = micro_batch == s.grad_accumulation - 1
-            self.reduce_grads = s.requires_gradient_sync or last
-            self.all_reduce_grads = s.requires_all_reduce or last
-            self.reshard_after_backward = s.reshard_after_backward or last
-            last_reduce = self.micro_batch(micro_batch) or last_reduce
-        self.optimizer_step(last_reduce)
-        self.float8_precompute_scales(COMPUTE, SHARD_GROUP)  # torchtitan: right after optimizer.step()
-        self.g.free(COMPUTE, self.inputs)
-        return self.g
-
-    def micro_batch(self, index: int) -> Op | None:
-        """One forward and backward; returns the event of its last gradient reduction, if any."""
-        g = self.g
-        suffix = f" #{index + 1}" if self.s.grad_accumulation > 1 else ""
-        g.phase = "forward" + suffix
-        previous, self.inputs = self.inputs, g.alloc(COMPUTE, f"batch (input ids, labels){suffix}", "inputs",
-                                                     self.wl.input_bytes)
-        if previous is not None:  # the loop variable now holds the new batch
-            g.free(COMPUTE, previous)
-        prev: Module | None = None
-        for m in self.wl.modules:
-            unit = self.unit_of.get(m.name)
-            if m.name == self.model_first:
-                self.pre_forward(self.root, prev)
-            if unit is not None and self.first[unit.name] == m.name:
-                self.pre_forward(unit, prev)
-            g.unit = self._owner(m, unit)
-            self.forward_compute(self._as_consumed(m, prev), prev)
-            if unit is not None and self.last[unit.name] == m.name:
-                self.post_forward(unit, m)
-            if m.name == self.model_last:
-                self.post_forward(self.root, m)
-            prev = m
-        g.phase = "backward" + suffix
-        modules = list(self.wl.modules)
-        for i in range(len(modules) - 1, -1, -1):
-            m = modules[i]
-            unit = self.unit_of.get(m.name)
-            if m.name == self.model_last:
-                self.pre_backward(self.root)
-            if unit is not None and self.last[unit.name] == m.name:
-                self.pre_backward(unit)
-            g.unit = self._owner(m, unit)
-            self.backward_compute(m, modules[i - 1] if i else None, modules[i + 1] if i + 1 < len(modules) else None)
-            if unit is not None and self.first[unit.name] == m.name:
-                self.post_backward(unit)
-        return self.root_post_backward_final_callback()
-
-    def _owner(self, m: Module, unit: Unit | None) -> str:
-        """The unit whose parameters a module's compute uses: its own, the root's, or none (the loss)."""
-        if unit is not None:
-            return unit.name
-        return self.root.name if m.in_model else ""
-
-    def _as_consumed(self, m: Module, prev: Module | None) -> Module:
-        """The loss as it runs on its input: it upcasts the logits with `.float()` (torchtitan's
-        `cross_entropy_loss`, the referee's `loss_fn`), a no-op on logits a unit's `output_dtype` already
-        made fp32, so the fp32 copy among its forward temporaries is not made."""
-        if m.in_model or m.kind != "loss" or prev is None or self.output_dtypes.get(prev.name) != "fp32":
-            return m
-        if self.s.param_bytes == 4:  # fp32 compute: the workload already has no copy
-            return m
-        return replace(m, fwd_temp_bytes=max(0, m.fwd_temp_bytes - prev.output_bytes * 4 // self.s.param_bytes))
+    def optimizer_step(self, last_reduce: Op | None) -> None:
+        """The optimizer step, then torchtitan's `precompute_float8_dynamic_scale_for_fsdp` right after it."""
+        super().optimizer_step(last_reduce)
+        self.float8_precompute_scales(COMPUTE, SHARD_GROUP)
 
     def optimizer_shards(self) -> list[int]:
         """`AutogradStep.optimizer_shards` from the shards `__init__` looked up (no pass over the parameters)."""
