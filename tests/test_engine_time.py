@@ -68,7 +68,6 @@ def test_a_small_model_on_short_sequences_is_cpu_bound():
     r = simulate(parse_scenario({"model": TINY, "training": {"seq_len": 128},
                                  "hardware": {"profile": "h100-sxm", "gpus_per_node": 1}}))
     br = r.compute()["breakdown"]
-    host = r.timing.issued[-1]
     assert br["cpu_bound_s"] > 0.5 * r.step_time_s
     last = max((op for op in r.graph.ops if op.kind == "compute"), key=lambda op: op.id)  # the optimizer step
     # the step ends when the last kernel, launched last, has run

@@ -347,7 +347,7 @@ class FSDP2Runtime(FSDPWalk, GradientReduction, Float8AllGather):
         kept until the next unit's copy-out."""
         if u.name not in self.pending_all_gather:
             return
-        s, g = self.s, self.g
+        g = self.g
         pending = self.pending_all_gather.pop(u.name)
         if pending is None:
             nbytes = self.unit_bytes[u.name].gathered

@@ -100,7 +100,7 @@ class PlainRuntime(AutogradStep):
         return g
 
     def _forward(self) -> None:
-        g, s = self.g, self.s
+        g = self.g
         prev = None
         for m in self.wl.modules:
             g.unit = m.name
@@ -112,7 +112,7 @@ class PlainRuntime(AutogradStep):
                 self._uncast(m)  # the checkpoint saved nothing: the cached cast dies with the region
 
     def _backward(self) -> None:
-        g, s = self.g, self.s
+        g = self.g
         modules = self.wl.modules
         for i in range(len(modules) - 1, -1, -1):
             m = modules[i]

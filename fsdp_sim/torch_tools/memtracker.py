@@ -240,7 +240,7 @@ def run_fsdp_mem_tracker(
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from .reference_model import ReferenceTransformer
