@@ -198,3 +198,40 @@ def test_allocator_section():
                      ({"roundup_power2_divisions": 4}, "roundup_power2_divisions")):
         with pytest.raises(ScenarioError, match=f"allocator.{key}"):
             parse_scenario(data | {"allocator": bad})
+
+
+@pytest.mark.parametrize("path, overrides", [
+    ("scenarios/llama3-8b-8xh100.yaml", {}),
+    ("scenarios/llama3-8b-8xh100.yaml", {"training": {"micro_batch": 3, "seq_len": 2048}}),
+    ("scenarios/llama3-8b-8xh100.yaml", {"fsdp": {"wrap": "every_k_blocks", "blocks_per_unit": 4}}),
+    ("scenarios/llama2-7b-8xa100-80gb.yaml", {}),
+    # four steps, the last (whose reserved is recorded event by event) stopping at a checkpoint
+    ("scenarios/llama3-8b-8xh100.yaml", {"training": {"micro_batch": 1, "seq_len": 2048},
+                                         "fsdp": {"sharding_strategy": "SHARD_GRAD_OP", "reshard_after_forward": False}}),
+])
+def test_a_steady_step_stopped_at_a_checkpoint_gives_the_full_replays_figures(path, overrides, monkeypatch):
+    """reserved.py stops a steady step where its layout equals the previous step's at a checkpoint: every
+    figure is the one the whole replay gives (checkpoints off), and at least one case does stop early."""
+    from pathlib import Path
+
+    from fsdp_sim.datafile import read_data
+    from fsdp_sim.engine import reserved
+
+    data = read_data(Path(__file__).resolve().parents[1] / path, "scenario")
+    for section, keys in overrides.items():
+        data[section] = {**data[section], **keys}
+    _, r = run(data)
+    args = (r.graph.ops, r.memory.events, r.memory.persistent, r.timing.issued, r.timing.end)
+    stopped = []
+    step = reserved._step
+    monkeypatch.setattr(reserved, "_step", lambda *a, **k: (out := step(*a, **k), stopped.append(out[2]))[0])
+    early = reserved.replay_allocator(*args)
+    monkeypatch.setattr(reserved, "CHECKPOINTS", ())
+    full = reserved.replay_allocator(*args)
+    for field in ("reserved_bytes", "first_step_allocated_bytes", "first_step_row", "first_step_reserved_bytes",
+                  "releasable_bytes", "by_stream", "steps"):
+        assert getattr(early, field) == getattr(full, field), field
+    assert (early.timeline == full.timeline).all()
+    if path.startswith("scenarios/llama3-8b") and (not overrides or "sharding_strategy" in overrides.get("fsdp", {})):
+        assert any(stopped), "this step's confirming step should stop at a checkpoint"
+        assert full.steps == 4 or not overrides

@@ -267,9 +267,20 @@ class CachingAllocator:
                         lo = -(-(b.address - seg.address) // page) * page
                         hi = (b.address + b.size - seg.address) // page * page
                         total += max(0, hi - lo)
-            elif all(b.state == "free" for b in self._blocks(seg)):
+            elif seg.last.prev is None and seg.last.state == "free":  # one free block: free neighbours always merge
                 total += seg.size
         return total
+
+    def layout(self, blocks: dict, offset: float) -> tuple:
+        """Everything the next requests and frees depend on, addresses included: reserved, where the next
+        segment goes, every segment, each pool's free blocks, the block each live buffer of `blocks` holds,
+        and the pending frees (their times less `offset`). Two points of one event sequence with equal
+        layouts play the rest of it alike. Buffers outside `blocks` (the persistent ones) must be the same
+        in both."""
+        return (self.reserved, self._next_address, [(seg.address, seg.size) for seg in self.segments],
+                [(key, [entry[:2] for entry in pool]) for key, pool in self._pools.items()],
+                [(buf, block.address, block.size) for buf, block in blocks.items()],
+                sorted((t - offset, address) for t, address, _ in self._waiting))
 
     def state(self) -> tuple:
         """The pools' layout, addresses aside: each segment's stream, pool and blocks (size, state), in
