@@ -137,8 +137,12 @@ def _step(plan: StepPlan, alloc: CachingAllocator, kept: dict, step: int, record
     reserved = [alloc.reserved] if record else None
     events, n = plan.events, len(plan.events)
     first = step == 0
-    compare = mark or before is not None
-    cuts = ([plan.lazy_at] if plan.lazy else []) if first else sorted({n // k for k in CHECKPOINTS} - {0, n}) if compare else []
+    if first:  # where the optimizer states are created
+        cuts = [plan.lazy_at] if plan.lazy else []
+    elif mark or before is not None:  # where layouts are taken
+        cuts = sorted({n // k for k in CHECKPOINTS} - {0, n})
+    else:
+        cuts = []
     blocks: dict = {}
     marks: dict = {}
     done = 0
