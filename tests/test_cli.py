@@ -172,7 +172,7 @@ def test_timeline_csv_ends_at_persistent_bytes(happy):
 
 
 NUMBER = re.compile(r"(?<![\w.\-])-?\d+(?:\.\d+)?(?![\w.])")
-UNIT_AFTER = re.compile(r"\s*(GiB|MiB|KiB|ms|s|%|B params|params|GPUs|units|tokens/s|tokens)\b|\s*%")
+UNIT_AFTER = re.compile(r"\s*(GiB|MiB|KiB|ms|s|%|B params|params|GPUs|GPU|units|tokens/s|tokens)\b|\s*%")
 
 
 def test_summary_numbers_carry_units(happy):

@@ -27,8 +27,9 @@ def summary(d: dict) -> str:
     tp, br = d["throughput"], comp["breakdown"]
     hw, over, al = d["hardware"], mem["overheads_bytes"], d["allocator"]
     lines = [
-        f"fsdp-sim: {d['scenario']} — {d['model']['name']} ({d['model']['params'] / 1e9:.2f} B params) on "
-        f"{hw['nodes']}x{hw['gpus_per_node']} {hw['profile']} ({hw['world_size']} GPUs)",
+        f"fsdp-sim: {d['scenario']} — {d['model']['name']} ({d['model']['params'] / 1e9:.2f} B params"
+        f"{' on each tensor-parallel rank' if 'tp' in d['fsdp'] else ''}) on "
+        f"{hw['nodes']}x{hw['gpus_per_node']} {hw['profile']} ({hw['world_size']} GPU{'s' if hw['world_size'] != 1 else ''})",
         (f"  no FSDP (plain training on one GPU, autocast to {f['param_dtype']}), {f['optimizer']}, "
          f"AC {f['activation_checkpointing']}" if f['runtime'] == "none" else
          f"  {f['runtime'].upper()} {f['sharding_strategy']} (shard {f['shard_size']} x replicate {f['replicate_size']}), "
