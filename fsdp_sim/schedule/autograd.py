@@ -12,6 +12,7 @@ from fsdp_sim.dtypes import itemsize
 from fsdp_sim.schedule.offload import ActivationOffload, CPUOffload, HostMemory
 from fsdp_sim.schedule.ops import Buffer, Op, OpGraph
 from fsdp_sim.schedule.optimizers import step_cost
+from fsdp_sim.schedule.param_dtypes import unit_shards
 from fsdp_sim.schedule.settings import FSDPSettings
 from fsdp_sim.schedule.tp import TensorParallelCompute
 from fsdp_sim.workload.checkpointing import checkpoint_plans
@@ -120,7 +121,7 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
     def optimizer_shards(self) -> list[int]:
         """The local elements of each tensor the optimizer steps: FSDP2's per-parameter dim-0 shards
         (FSDP1 overrides it with one flat shard per unit)."""
-        return [p.padded_shard_numel(self.s.shard_size) for u in self.units for p in u.params if p.trainable]
+        return [n for u in self.units for n in unit_shards(u, self.s).trainable]
 
     def optimizer_step(self, last_reduce: Op | None) -> None:
         """The optimizer step on the sharded parameters, in their storage dtype (see `optimizers.py`), then

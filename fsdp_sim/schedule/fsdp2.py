@@ -83,10 +83,6 @@ class FSDP2Runtime(FSDPWalk, GradientReduction, Float8AllGather):
         super().optimizer_step(last_reduce)
         self.float8_precompute_scales(COMPUTE, SHARD_GROUP)
 
-    def optimizer_shards(self) -> list[int]:
-        """`AutogradStep.optimizer_shards` from the shards `__init__` looked up (no pass over the parameters)."""
-        return [n for u in self.units for n in self.shards[u.name].trainable]
-
     def _persistent_state(self) -> None:
         """Sharded parameters (dim-0 padded, each in its stored dtype) and optimizer states exist before the
         step; the states are `zeros_like(param)` (torch.optim's `_init_group`), in the trainable ones' dtype."""
