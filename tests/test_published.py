@@ -17,7 +17,8 @@ tables the memory it logged, `max_memory_reserved`). What a row establishes, and
   at 16384 on H100, the 1B at micro-batch 20 on H100) and torchtitan's 8-GPU row ran inside it;
 - where the run logged its reserved memory, the simulated live tensors at the peak fit in it (allocated
   can never pass reserved). The allocator model's own reserved figure is above the logged one on both
-  rows (92.3 GiB under the GPU's limit against 82.4 on 8 GPUs, 77.3 against 67.0 on 128): it sees a
+  rows (85.3 GiB against 82.4 on 8 GPUs, with the expandable segments torchtitan's launcher sets; 77.3
+  against 67.0 on 128, PyTorch's default allocator as that run's launcher is not published): it sees a
   module's saved activations and temporaries as one block each where PyTorch allocates ~15 tensors, so
   it overstates fragmentation; not gated, a known limit;
 - throughput, as a band that is not fitted to anything: the tool prices a steady-state step with no data
