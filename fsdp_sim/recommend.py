@@ -21,8 +21,10 @@ MICRO_BATCHES = (1, 2, 4, 8)
 def default_axes(base: dict, folder: Path, *, micro_batch: bool = True) -> list[Axis]:
     """The default search space for `base`: wrap granularity (per block, every 2 or 4 blocks, whole model),
     backward prefetch, sharding strategy (with reshard_after_forward as it implies, and HSDP with one
-    node's GPUs per shard group when there is more than one node), activation checkpointing and the
-    micro-batch (not for a traced workload, whose trace fixed it)."""
+    node's GPUs per shard group when there is more than one node), activation checkpointing, the
+    allocator's expandable segments (torchtitan's launcher turns them on: they change what is reserved,
+    not the step's time, so they decide only where memory does) and the micro-batch (not for a traced
+    workload, whose trace fixed it)."""
     scenario = parse_scenario(base, name="recommend", base=folder)  # a bad base fails here, as one line
     cluster = scenario.cluster
     blocks = sum(m.is_block for m in scenario.workload.modules)
@@ -38,7 +40,8 @@ def default_axes(base: dict, folder: Path, *, micro_batch: bool = True) -> list[
                      {"fsdp.sharding_strategy": "_HYBRID_SHARD_ZERO2", "fsdp.reshard_after_forward": False,
                       "fsdp.shard_size": gpn}]
     axes = [Axis("wrap", tuple(wrap)), Axis.of("fsdp.backward_prefetch", [True, False]),
-            Axis("sharding", tuple(sharding)), Axis.of("training.activation_checkpointing", ["none", "full"])]
+            Axis("sharding", tuple(sharding)), Axis.of("training.activation_checkpointing", ["none", "full"]),
+            Axis.of("allocator.expandable_segments", [False, True])]
     traced = isinstance(base.get("model"), dict) and "workload" in base["model"]
     if micro_batch and not traced:
         axes.append(Axis.of("training.micro_batch", list(MICRO_BATCHES)))

@@ -93,14 +93,15 @@ def test_nothing_fits_and_every_error():
 def test_default_search_space_uses_the_keys_that_exist(tmp_path):
     one_node = default_axes(TOY, tmp_path)
     assert [a.name for a in one_node] == ["wrap", "fsdp.backward_prefetch", "sharding",
-                                          "training.activation_checkpointing", "training.micro_batch"]
+                                          "training.activation_checkpointing", "allocator.expandable_segments",
+                                          "training.micro_batch"]
     assert [o.get("fsdp.blocks_per_unit") for o in one_node[0].options] == [None, 2, 4, None]
     assert [o["fsdp.sharding_strategy"] for o in one_node[2].options] == ["FULL_SHARD", "SHARD_GRAD_OP"]
     two_nodes = default_axes(TOY | {"hardware": {"profile": "h100-sxm", "nodes": 2}}, tmp_path, micro_batch=False)
     hybrid = [o for o in two_nodes[2].options if "HYBRID" in o["fsdp.sharding_strategy"]]
     assert len(hybrid) == 2 and all(o["fsdp.shard_size"] == 8 for o in hybrid)
     assert "training.micro_batch" not in [a.name for a in two_nodes]
-    for axis in one_node[:4]:  # every default option is a valid scenario
+    for axis in one_node[:5]:  # every default option is a valid scenario
         for option in axis.options:
             data = yaml.safe_load(yaml.safe_dump(TOY))
             for key, value in option.items():
@@ -115,8 +116,8 @@ def test_recommend_default_space_end_to_end(tmp_path, capsys):
     assert main(["recommend", scenario, "--jobs", "2", "--top", "1"]) == 0
     text = capsys.readouterr().out
     # two blocks: wrap per_block or whole_model (every_k_blocks needs more blocks than k), x 2 prefetch
-    # x 2 sharding x 2 checkpointing x 4 micro-batches
-    assert "Recommended" in text and "64 configurations: 64 fit, 0 do not" in text
+    # x 2 sharding x 2 checkpointing x 2 allocator settings x 4 micro-batches
+    assert "Recommended" in text and "128 configurations: 128 fit, 0 do not" in text
     assert text.count("\n  ") == 2  # the figures line and one runner-up
 
 
