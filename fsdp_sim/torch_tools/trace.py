@@ -49,7 +49,8 @@ import inspect
 from typing import Any, Callable
 
 from fsdp_sim.errors import ScenarioError
-from fsdp_sim.torch_tools.recorder import Recorder, flop_counter, modes, read_modules
+from fsdp_sim.torch_tools.read_log import read_modules
+from fsdp_sim.torch_tools.recorder import Recorder, flop_counter, modes
 from fsdp_sim.workload.model import Param, Workload
 
 __all__ = ["trace_module", "trace_factory", "find_units", "TORCH_DTYPES"]
