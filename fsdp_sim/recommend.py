@@ -82,17 +82,37 @@ def _limit_of_fastest(best: dict, total: int) -> tuple[str, str]:
             f"step for the CPU to launch kernels ({shares})")
 
 
+def _retries(row: dict) -> int:
+    """`num_alloc_retries` a step: the allocator released its cached segments and asked the driver again."""
+    return row.get("allocator_retries_per_step", 0)
+
+
+def _trade(row: dict, best: dict, keys: list[str]) -> dict:
+    """`row` against the best: the settings that differ and what they change."""
+    return {"row": row, "differs": _differs(row, best, keys),
+            "tokens_per_s_change": row["tokens_per_s_per_gpu"] / best["tokens_per_s_per_gpu"] - 1,
+            "required_change_bytes": row["required_bytes"] - best["required_bytes"]}
+
+
+def _trade_line(trade: dict) -> str:
+    change = trade["required_change_bytes"]
+    return (f"{100 * trade['tokens_per_s_change']:+6.1f} % tokens/s, {('+' if change >= 0 else '') + fmt_bytes(change):>11} "
+            f"required, headroom {fmt_bytes(trade['row']['headroom_bytes'])}: {_setting(trade['differs'])}")
+
+
 def recommend(rows: list[dict], keys: list[str], *, top: int = 3) -> dict:
     """The recommendation from sweep rows: `best` (fastest that fits), `limit` and `reason` (what stops
     the next faster configuration, or the fastest one), `next_faster` (of the faster configurations, the
     one fewest settings away from the best, then the least faster), `runners_up` (the next fitting
-    configurations with figures unlike the best's, each with its trade-off) and `counts`."""
+    configurations with figures unlike the best's, each with its trade-off), `without_retries` (when the
+    best fits only by the allocator freeing its cache and retrying every step, a slowdown the step time
+    does not price: the fastest that fits without) and `counts`."""
     ok = [r for r in rows if not r.get("error")]
     fitting = sorted((r for r in ok if r["within_budget"]), key=_rank)  # fits and keeps the safety margin
     counts = {"configurations": len(rows), "fit": len(fitting), "do_not_fit": len(ok) - len(fitting),
               "errors": len(rows) - len(ok)}
     out = {"keys": keys, "counts": counts, "best": None, "limit": None, "reason": "", "next_faster": None,
-           "runners_up": []}
+           "runners_up": [], "without_retries": None}
     if not fitting:
         if ok:
             least = min(ok, key=lambda r: r["required_bytes"])
@@ -114,16 +134,15 @@ def recommend(rows: list[dict], keys: list[str], *, top: int = 3) -> dict:
                          f"{fmt_bytes(-nxt['headroom_bytes'])} over the {fmt_bytes(_budget(nxt))} budget")
     else:
         out["limit"], out["reason"] = _limit_of_fastest(best, len(ok))
+    if _retries(best):
+        out["without_retries"] = next((_trade(r, best, keys) for r in fitting if not _retries(r)), None)
     seen = {(best["tokens_per_s_per_gpu"], best["required_bytes"])}
     for row in fitting[1:]:
         figures = (row["tokens_per_s_per_gpu"], row["required_bytes"])
         if figures in seen:
             continue  # the same trade-off under another name (a knob that changes nothing here)
         seen.add(figures)
-        out["runners_up"].append({
-            "row": row, "differs": _differs(row, best, keys),
-            "tokens_per_s_change": row["tokens_per_s_per_gpu"] / best["tokens_per_s_per_gpu"] - 1,
-            "required_change_bytes": row["required_bytes"] - best["required_bytes"]})
+        out["runners_up"].append(_trade(row, best, keys))
         if len(out["runners_up"]) == top:
             break
     return out
@@ -144,12 +163,14 @@ def explain(rec: dict) -> str:
         f"{fmt_bytes(_budget(best))} (headroom {fmt_bytes(best['headroom_bytes'])})",
         f"Why          {rec['reason']}",
     ]
+    if _retries(best):
+        lines.append(f"  it fits only as the allocator frees its cached segments and retries, {_retries(best)} times a "
+                     "step (num_alloc_retries; each a device synchronize and cudaFree: slower than this step time)")
+        other = rec.get("without_retries")
+        lines.append(f"Without retries  {_trade_line(other)}" if other else "Without retries  no configuration fits")
     if rec["runners_up"]:
         lines.append("Runners-up")
     for r in rec["runners_up"]:
-        change = r["required_change_bytes"]
-        lines.append(f"  {100 * r['tokens_per_s_change']:+6.1f} % tokens/s, "
-                     f"{('+' if change >= 0 else '') + fmt_bytes(change):>11} required, "
-                     f"headroom {fmt_bytes(r['row']['headroom_bytes'])}: {_setting(r['differs'])}")
+        lines.append(f"  {_trade_line(r)}")
     lines.append(tally)
     return "\n".join(lines)

@@ -24,14 +24,12 @@ from fsdp_sim.datafile import read_data
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.executors import check as check_executor, open_runner
 from fsdp_sim.grid import SECTIONS, Axis, columns, combinations, combine, load_grid, parse_assignment
+from fsdp_sim.results.report import COLUMNS
 from fsdp_sim.scenario import parse_scenario
 from fsdp_sim.simulate import simulate
 
 __all__ = ["COLUMNS", "parse_assignment", "points", "run_point", "largest_fitting", "search_axes", "sweep", "sweep_points"]
 
-COLUMNS = ("step_time_s", "tokens_per_s_per_gpu", "tokens_per_step", "peak_allocated_bytes", "peak_reserved_bytes",
-           "required_bytes", "fits", "within_budget", "headroom_bytes", "communication_exposed_s", "overlap_fraction", "mfu",
-           "cpu_bound_s", "peak_phase", "error")
 MICRO_BATCH = "training.micro_batch"
 MAX_BATCH_LIMIT = 4096
 
@@ -74,11 +72,14 @@ def _row(result) -> dict:
     op = memory.events[at - 1][0] if at else None
     reserved, allocated = memory.reserved_bytes, int(memory.total[at])
     mem = result.memory_summary({"reserved_bytes": reserved, "allocated_bytes": allocated})
+    # a step that fits may do so only by the allocator releasing its cache and retrying, every step
+    capped = result.capped_replay() if mem["fits"] else None  # fits: already replayed for the verdict
     (exposed, overlap), mfu, tp = result.exposed_communication(), result.mfu(), result.throughput()
     return {"step_time_s": result.step_time_s, "tokens_per_s_per_gpu": tp["tokens_per_s_per_gpu"],
             "tokens_per_step": tp["tokens_per_step"], "peak_allocated_bytes": allocated,
             "peak_reserved_bytes": reserved, "required_bytes": mem["required_bytes"], "fits": mem["fits"],
-            "within_budget": mem["within_budget"], "headroom_bytes": mem["headroom_bytes"], "communication_exposed_s": exposed,
+            "within_budget": mem["within_budget"], "headroom_bytes": mem["headroom_bytes"],
+            "allocator_retries_per_step": capped.retries_per_step if capped is not None else 0, "communication_exposed_s": exposed,
             "overlap_fraction": overlap, "mfu": mfu, "cpu_bound_s": result.cpu_bound_s(),
             "peak_phase": op.phase if op else "before step", "error": ""}
 

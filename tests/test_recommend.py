@@ -29,10 +29,10 @@ def _files(tmp_path, scenario=TOY, grid=GRID):
     return str(s), str(g)
 
 
-def _row(tps, required, fits=True, step=1.0, exposed=0.0, cpu=0.0, **keys):
+def _row(tps, required, fits=True, step=1.0, exposed=0.0, cpu=0.0, retries=0, **keys):
     return {**keys, "tokens_per_s_per_gpu": tps, "required_bytes": required, "headroom_bytes": 100 - required,
             "fits": fits, "within_budget": fits, "step_time_s": step, "communication_exposed_s": exposed, "cpu_bound_s": cpu, "mfu": 0.5,
-            "error": ""}
+            "allocator_retries_per_step": retries, "error": ""}
 
 
 def test_toy_grid_winner_is_the_fastest_fitting_row(tmp_path, capsys):
@@ -81,6 +81,20 @@ def test_next_faster_is_the_nearest_setting_and_runners_up_skip_equal_figures():
     assert rec["runners_up"][0]["differs"] == {"a": 2} and rec["runners_up"][0]["required_change_bytes"] == -20
     assert rec["counts"] == {"configurations": 7, "fit": 3, "do_not_fit": 3, "errors": 1}
     assert "b=3" in rec["reason"] and "1 failed" in explain(rec)
+
+
+def test_a_best_that_fits_only_by_allocator_retries_names_the_fastest_without():
+    """The step time does not price num_alloc_retries (each a synchronize and cudaFree): the fastest
+    configuration that needs none is named beside a best that needs them."""
+    keys = ["k"]
+    rows = [_row(30, 90, retries=2, k=1), _row(25, 95, retries=1, k=2), _row(20, 60, k=3), _row(10, 40, k=4)]
+    rec = recommend(rows, keys)
+    assert rec["best"] == rows[0] and rec["without_retries"]["row"] == rows[2]
+    assert rec["without_retries"]["differs"] == {"k": 3} and rec["without_retries"]["required_change_bytes"] == -30
+    text = explain(rec)
+    assert "retries, 2 times a step" in text and "Without retries   -33.3 % tokens/s" in text and "k=3" in text
+    assert recommend(rows[2:], keys)["without_retries"] is None  # a best without retries needs no other
+    assert "Without retries  no configuration fits" in explain(recommend(rows[:2], keys))
 
 
 def test_nothing_fits_and_every_error():

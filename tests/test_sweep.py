@@ -130,3 +130,20 @@ def test_prices_shared_between_points_give_each_point_its_own_cold_row(tmp_path)
         build_transformer.cache_clear()
         cold = _row(simulate(parse_scenario(data, name="sweep", base=tmp_path)))
         assert first == cold and second == cold
+
+
+@pytest.mark.parametrize("micro_batch", [2, 7])
+def test_allocator_retries_in_a_row_are_the_steady_step_of_the_replay_under_the_gpu_limit(micro_batch):
+    """llama3-8b at 1024 tokens, per-block SHARD_GRAD_OP, reduce bf16, on 8 H100: at micro-batch 7 the
+    unconstrained reserved passes what the GPU leaves the allocator, and the step fits only by releasing
+    the cache and retrying every step; at 2 nothing is refused. The row says what `run` says."""
+    from fsdp_sim.sweep import run_point
+    data = {"model": "llama3-8b", "training": {"seq_len": 1024, "micro_batch": micro_batch, "activation_checkpointing": "none"},
+            "hardware": {"profile": "h100-sxm", "gpus_per_node": 8},
+            "fsdp": {"wrap": "per_block", "sharding_strategy": "SHARD_GRAD_OP", "reshard_after_forward": False,
+                     "mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "bf16"}}}
+    row = run_point(data, None)
+    allocator = simulate(parse_scenario(data)).to_dict()["allocator"]
+    assert row["fits"] and row["allocator_retries_per_step"] == allocator["retries_per_step"]
+    assert (row["allocator_retries_per_step"] > 0) == (micro_batch == 7)
+    assert (row["peak_reserved_bytes"] > allocator["limit_bytes"]) == (micro_batch == 7)

@@ -5,6 +5,11 @@ from __future__ import annotations
 from fsdp_sim.results.host import host_lines
 
 GiB, MiB = 1 << 30, 1 << 20
+# the figures of a sweep row (sweep.py's `_row`), in the CSV's column order; what a row holds beside them
+# is the point's settings
+COLUMNS = ("step_time_s", "tokens_per_s_per_gpu", "tokens_per_step", "peak_allocated_bytes", "peak_reserved_bytes",
+           "required_bytes", "fits", "within_budget", "headroom_bytes", "allocator_retries_per_step",
+           "communication_exposed_s", "overlap_fraction", "mfu", "cpu_bound_s", "peak_phase", "error")
 
 
 def fmt_bytes(n: float) -> str:

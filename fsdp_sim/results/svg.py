@@ -17,7 +17,7 @@ from fsdp_sim.results.analysis import StepResult
 from fsdp_sim.results.export import TRACE_STREAMS, reserved_timeline
 from fsdp_sim.results.pareto import pareto_front
 from fsdp_sim.results.plot import envelope_rows, phase_spans
-from fsdp_sim.results.report import fmt_bytes, fmt_time
+from fsdp_sim.results.report import COLUMNS, fmt_bytes, fmt_time
 from fsdp_sim.schedule.ops import CATEGORIES
 
 GiB = 1 << 30
@@ -209,6 +209,4 @@ def _colour_key(row: dict, color_by: list[str]) -> str:
     return ", ".join(f"{k}={row.get(k)}" for k in color_by if row.get(k) is not None) or "-"
 
 
-_FIGURES = frozenset(("step_time_s", "tokens_per_s_per_gpu", "tokens_per_step", "peak_allocated_bytes",
-                      "peak_reserved_bytes", "required_bytes", "fits", "headroom_bytes", "communication_exposed_s",
-                      "overlap_fraction", "mfu", "cpu_bound_s", "peak_phase", "error"))
+_FIGURES = frozenset(COLUMNS)  # the rest of a row is its settings
