@@ -60,7 +60,8 @@ def test_a100_fp32_matches_pytorchs_tf32_example():
 
 @pytest.mark.parametrize("version, arch, backend", [
     ("2.13", "sm90", "cudnn"), ("2.13", "sm80", "flash"), ("2.8", "sm90", "flash"), ("2.5.1", "sm90", "flash"),
-    ("2.5.0", "sm90", "cudnn"), ("2.9", "sm100", "cudnn"),
+    ("2.5.0", "sm90", "cudnn"), ("2.9", "sm100", "cudnn"), ("2.1", "sm90", "flash1"), ("2.0.1", "sm80", "flash1"),
+    ("2.2", "sm80", "flash"),
 ])
 def test_sdpa_backend_follows_the_torch_version(version, arch, backend):
     options = ComputeOptions(torch_version=tuple(int(p) for p in version.split(".")))
@@ -74,6 +75,17 @@ def test_attention_runs_at_the_tabulated_throughput():
     assert fwd == pytest.approx(333e12)
     assert 3.5 / (1 / fwd + 2.5 / bwd) == pytest.approx(308e12)  # the fwd+bwd figure is reproduced
     assert attention_tflops(H100, "cudnn", 128, 8192, False) == pytest.approx((600e12, 518e12))
+
+
+def test_flashattention_1_runs_at_its_bars_of_the_same_figures():
+    """FA1 fwd+bwd [C9]: A100 causal d128 at 8k 80 TFLOPS, non-causal d64 at 2k 104; H100 non-causal d128
+    at 4k 131, and causal (no bar) at the A100's causal / non-causal ratio: 131 x 76 / 80 at 4k."""
+    assert attention_tflops(A100, "flash1", 128, 8192, True) == pytest.approx((80e12, 80e12))
+    assert attention_tflops(A100, "flash1", 64, 2048, False) == pytest.approx((104e12, 104e12))
+    assert attention_tflops(H100, "flash1", 128, 4096, False) == pytest.approx((131e12, 131e12))
+    assert attention_tflops(H100, "flash1", 128, 4096, True)[0] == pytest.approx(131e12 * 76 / 80)
+    # FlashAttention-2 is about twice as fast, as PyTorch 2.2's release says of its SDPA [F7]
+    assert 1.8 < attention_tflops(A100, "flash", 128, 8192, True)[0] / attention_tflops(A100, "flash1", 128, 8192, True)[0] < 2.6
 
 
 def test_causal_attention_does_half_the_work_in_kernel_time():
@@ -127,7 +139,7 @@ def test_no_gemm_beats_the_peak(m, n, k, profile):
 
 @settings(max_examples=40, deadline=None)
 @given(s=st.integers(64, 1 << 16), d=st.sampled_from([32, 64, 80, 96, 128, 256]), causal=st.booleans(),
-       backend=st.sampled_from(["flash", "cudnn"]), profile=st.sampled_from(["a100-80gb", "h100-sxm", "b200", "mi300x"]))
+       backend=st.sampled_from(["flash", "flash1", "cudnn"]), profile=st.sampled_from(["a100-80gb", "h100-sxm", "b200", "mi300x"]))
 def test_no_attention_kernel_beats_the_peak(s, d, causal, backend, profile):
     gpu = load_profile(profile)
     fwd, bwd = attention_tflops(gpu, backend, d, s, causal)

@@ -67,6 +67,13 @@ CUDNN_H100_FWD = {(64, False): (335, 373, 395, 408, 412, 413), (64, True): (225,
                   (128, False): (497, 574, 617, 609, 600, 595), (128, True): (315, 410, 484, 518, 529, 539)}
 # Backward only, H100 SXM5, FP16, non-causal: cuDNN column of the FA3 paper's backward figure [C12, §2.5]
 CUDNN_H100_BWD_NONCAUSAL = {64: (266, 348, 395, 417, 432, 433), 128: (305, 408, 465, 499, 518, 516)}
+# FlashAttention-1 fwd+bwd, the FA1 bars of the same FA2 figures: A100 80GB SXM4 with and without the causal
+# mask, H100 80GB SXM5 non-causal only [C9 flash2_a100 / flash2_h100 benchmark figures, §2.2-2.3]. SDPA's
+# FLASH backend before torch 2.2 ("SDPA now supports FlashAttention-2, yielding around 2x speedups
+# compared to previous versions": the 2.2 release, [F7]) and the flash-attn 1.x package
+FA1_A100_FWD_BWD = {(64, False): (91, 92, 104, 108, 110, 110), (128, False): (76, 72, 76, 80, 82, 83),
+                    (64, True): (58, 70, 77, 87, 92, 97), (128, True): (55, 62, 69, 76, 80, 83)}
+FA1_H100_FWD_BWD_NONCAUSAL = {(64, False): (157, 159, 161, 161, 166, 168), (128, False): (127, 127, 128, 131, 137, 139)}
 # PyTorch standard (explicit-scores) attention fwd+bwd; OOM at 16k, where the 8k figure is repeated
 # [C9 flash2_a100 / flash2_h100 benchmark figures, §2.2-2.3]
 EAGER_A100_FWD_BWD = {(64, False): (36, 40, 43, 45, 46, 46), (128, False): (53, 67, 76, 79, 86, 86),

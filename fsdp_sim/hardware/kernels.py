@@ -24,7 +24,7 @@ from functools import cache
 from fsdp_sim.hardware import kernel_data as kd
 from fsdp_sim.workload.model import Kernel
 
-SDPA_BACKENDS = ("auto", "flash", "cudnn")
+SDPA_BACKENDS = ("auto", "flash", "flash1", "cudnn")  # flash: FlashAttention-2; flash1: FlashAttention-1
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,20 +33,23 @@ class ComputeOptions:
 
     allow_tf32: bool = False
     torch_compile: bool = False
-    sdpa_backend: str = "auto"  # auto | flash | cudnn
+    sdpa_backend: str = "auto"  # auto | flash | flash1 | cudnn
     torch_version: tuple[int, ...] = (2, 13)
 
 
 def select_sdpa_backend(arch: str, options: ComputeOptions) -> str:
     """The SDPA backend torch's default priority order picks for 16-bit training inputs.
 
-    torch 2.5.0 put cuDNN first on H100; 2.5.1 moved it last after bugs (pytorch#138522), and 2.6-2.8 kept
-    FLASH (FA2) first; 2.9 enabled cuDNN by default for SM 9.0 / 10.0 (pytorch#162073) [C14, C16, §2.7].
-    Other GPUs run FLASH.
+    FLASH is FlashAttention-1 before torch 2.2, which brought FlashAttention-2 into SDPA [F7]. torch 2.5.0
+    put cuDNN first on H100; 2.5.1 moved it last after bugs (pytorch#138522), and 2.6-2.8 kept FLASH (FA2)
+    first; 2.9 enabled cuDNN by default for SM 9.0 / 10.0 (pytorch#162073) [C14, C16, §2.7]. Other GPUs
+    run FLASH.
     """
     if options.sdpa_backend != "auto":
         return options.sdpa_backend
     v = options.torch_version
+    if v < (2, 2):
+        return "flash1"
     cudnn_first = v >= (2, 9) or v[:3] == (2, 5, 0) or v == (2, 5)
     return "cudnn" if cudnn_first and arch in ("sm90", "sm100") else "flash"
 
@@ -138,6 +141,14 @@ def _fwd_bwd_tflops(backend: str, table_arch: str, d: int, s: int, causal: bool)
         if causal:  # no causal backward figure: the forward's causal / non-causal ratio, assumed
             bwd *= fwd / _by_head_dim(kd.CUDNN_H100_FWD, d, False, s)
         return fwd, bwd
+    if backend == "flash1":  # only fwd+bwd measured: both at that rate
+        if table_arch == "sm80":
+            fb = _by_head_dim(kd.FA1_A100_FWD_BWD, d, causal, s)
+        else:  # no causal H100 figure: the A100's causal / non-causal ratio at that length, assumed
+            fb = _by_head_dim(kd.FA1_H100_FWD_BWD_NONCAUSAL, d, False, s)
+            if causal:
+                fb *= _by_head_dim(kd.FA1_A100_FWD_BWD, d, True, s) / _by_head_dim(kd.FA1_A100_FWD_BWD, d, False, s)
+        return fb, fb
     if table_arch == "sm90":
         fb, fwd = _by_head_dim(kd.FA2_H100_FWD_BWD, d, causal, s), _by_head_dim(kd.FA2_H100_FWD, d, causal, s)
         # backward from fwd+bwd and fwd: 3.5 F / T_fb = F / T_f + 2.5 F / T_b
