@@ -102,6 +102,59 @@ def test_tp_collectives_per_block(sp, ac):
     assert all(op.comm_bytes == 2 * b * s * h and op.stream == "compute" for op in ops)
 
 
+@pytest.mark.parametrize("sp", [True, False])
+def test_float8_tp_all_gathers_move_one_byte_and_each_sharded_cast_all_reduces_its_amax(sp):
+    """torchao's Float8ColwiseParallel / Float8RowwiseParallel / PrepareFloat8ModuleInput (torchtitan's plan with
+    float8): a block input is cast before its all-gather and a rowwise output's gradient before its backward
+    all-gather, so those move bsh bytes (fp8); reduce-scatters and all-reduces move 2bsh (bf16). Each cast of a
+    TP-sharded tensor all-reduces one fp32 amax first: forward the inputs of wq and w1 (with SP) and of wo and
+    w2; backward the output gradients of the five colwise Linears, and of wo and w2 with SP."""
+    b, s, h = 2, 16, 256  # every block Linear's features multiples of 16 under TP 4: all are Float8Linears
+    data = scenario_dict(SMALL | {"hidden": h, "ffn_hidden": 512}, nodes=2, training={"micro_batch": b, "seq_len": s})
+    data["hardware"]["profile"] = "h100-sxm"
+    data["parallelism"] = {"tp": 4, "sequence_parallel": sp}
+    data["compute"] = {"float8": {"enabled": True}}
+    _, r = run(data)
+    fwd = [(op.kind, op.comm_bytes) for op in _tp_ops(r.graph, "layers.0", "forward")]
+    bwd = [(op.kind, op.comm_bytes) for op in _tp_ops(r.graph, "layers.0", "backward")]
+    amax, fp8, bf16 = ("all_reduce", 4), b * s * h, 2 * b * s * h
+    if sp:
+        assert fwd == [amax, ("all_gather", fp8), amax, ("reduce_scatter", bf16)] * 2
+        # backward, w2 first: amax and fp8 all-gather of its gradient, w3, w1 (then its input gradient's
+        # reduce-scatter), wo likewise, wv, wk, wq
+        assert bwd == [amax, ("all_gather", fp8), amax, amax, ("reduce_scatter", bf16),
+                       amax, ("all_gather", fp8), amax, amax, amax, ("reduce_scatter", bf16)]
+    else:
+        assert fwd == [amax, ("all_reduce", bf16)] * 2
+        assert bwd == [amax, amax, ("all_reduce", bf16), amax, amax, amax, ("all_reduce", bf16)]
+
+
+def test_float8_tp_casts_the_module_input_once_on_the_sequence_shard():
+    """Under TP, PrepareFloat8ModuleInput casts the attention's and the MLP's input once (on 1/k of the tokens
+    with sequence parallel) and wk / wv / w3 read that cast; a Linear whose input arrived in float8 does not
+    cast it again in backward. So per block the forward input casts read and write 5 bytes an element of
+    2 x (tokens / k) x h (wq, w1) plus wo's and w2's sharded inputs, where without TP each Linear casts its own."""
+    from fsdp_sim.workload.float8 import AMAX_AND_CAST_BYTES, Float8, float8_workload
+    h, ffn, k, tok = 256, 512, 4, 2 * 16  # every block Linear's features multiples of 16 under TP 4
+    d = TransformerDims(hidden=h, layers=1, heads=8, kv_heads=4, vocab=256, ffn_hidden=ffn)
+    wl = build_tp_transformer(d, TensorParallel(k, True), micro_batch=2, seq_len=16, act_dtype="bf16", name="x")
+    f8, _ = float8_workload(wl, Float8(enabled=True, fsdp_float8_all_gather=True))
+    casts = {kn.name: kn for m in f8.modules if m.is_block for kn in m.kernels if kn.name.startswith("float8 casts")}
+    rows = {"wq": tok // k, "w1": tok // k, "wk": 0, "wv": 0, "w3": 0, "wo": tok, "w2": tok}
+    width = {"wo": h // k, "w2": ffn // k}  # rowwise: the sharded input features
+    for name, r_ in rows.items():
+        assert casts[f"float8 casts ({name})"].bytes == r_ * width.get(name, h) * AMAX_AND_CAST_BYTES, name
+    one, _ = float8_workload(build_transformer(d, micro_batch=2, seq_len=16, act_dtype="bf16", name="x"),
+                             Float8(enabled=True, fsdp_float8_all_gather=True))
+    single = {kn.name: kn for m in one.modules if m.is_block for kn in m.kernels if kn.name.startswith("float8 casts")}
+    assert single["float8 casts (wk)"].bytes == tok * h * AMAX_AND_CAST_BYTES  # without TP each casts its own
+    # backward: its output gradient cast and the three column-major copies, but no re-cast of the input
+    # (without TP the saved input is high precision and is cast again)
+    n = h // k  # wq's local output features under TP
+    assert casts["float8 casts (wq)"].bwd_bytes == tok * n * AMAX_AND_CAST_BYTES + (n * h + tok * n + tok * h) * 2
+    assert single["float8 casts (wq)"].bwd_bytes == (tok * h + tok * h) * AMAX_AND_CAST_BYTES + (h * h + 2 * tok * h) * 2
+
+
 def test_fsdp_runs_on_the_data_parallel_mesh():
     """FULL_SHARD over world / k ranks; each block's all-gather moves its TP-local weights, padded."""
     data = scenario_dict(SMALL, nodes=2)

@@ -13,6 +13,16 @@ Loss parallel (`loss_parallel`, torch `distributed/tensor/parallel/loss.py`) all
 per-token values in forward (the max and the sum of exponentials in `_log_softmax`, the target logit in
 `_nll_loss_forward`); its backward is local.
 
+With torchao float8 (`compute.float8`), torchtitan's plan takes `Float8ColwiseParallel`,
+`Float8RowwiseParallel` and `PrepareFloat8ModuleInput` (torchao `float8/float8_tensor_parallel.py`): a block
+input is cast to float8 before its all-gather, and a rowwise output's gradient (`NoopFwToFloat8BwDynamic`)
+before the all-gather that is its reduce-scatter's backward, so with sequence parallel those all-gathers move
+1 byte an element; reduce-scatters and all-reduces stay bf16 (they reduce high-precision matmul outputs).
+Each dynamic cast of a TP-sharded tensor takes its amax over the whole tensor (`tensor_to_amax`: a
+`Partial(max)` DTensor scalar), an all-reduce of one fp32 value before the cast: the input of wq and w1
+(with sequence parallel) and of wo and w2, and every Float8Linear's output gradient but a rowwise one
+without sequence parallel (Replicate there).
+
 Each is a functional collective that the DTensor op waits for inline (`wait_tensor` before the next op), so
 on the compute stream it blocks the module's kernels: the module's compute op is split around it, and the
 collective runs on the `tp` process group's lane (NVLink inside the node).
@@ -29,6 +39,19 @@ COLWISE_FIRST = ("wq", "w1", "output")  # the first colwise Linear reading a red
 ROWWISE = ("wo", "w2", "embedding lookup")  # a rowwise op whose Partial output is redistributed
 LOSS_KERNEL = "log_softmax + nll_loss"
 LOSS_PARALLEL_ALL_REDUCES = 3  # max, sum of exp (`_log_softmax`), the target logit (`_nll_loss_forward`)
+AMAX_BYTES = 4  # a float8 cast's amax: one fp32 scalar (torchao `float8_utils.tensor_to_amax`)
+FLOAT8_BYTES = 1  # float8_e4m3fn / e5m2
+
+
+def _amax_all_reduce(name: str, backward: bool, sequence_parallel: bool) -> bool:
+    """Whether a Float8Linear `name`'s dynamic cast in this pass reads a TP-sharded tensor (see the module):
+    forward, its input (wk / wv / w3 read the one PrepareFloat8ModuleInput cast for wq / w1); backward,
+    its output gradient."""
+    if backward:
+        return sequence_parallel or name not in ROWWISE
+    if name in COLWISE_FIRST:
+        return sequence_parallel
+    return name in ROWWISE
 
 
 def conjugates(sequence_parallel: bool) -> dict[str, tuple[str | None, str | None]]:
@@ -82,7 +105,8 @@ class TensorParallelCompute:
         """The module's kernels in execution order with (kind, bytes) collectives between them."""
         s = self.s
         ops = conjugates(s.sequence_parallel)
-        hidden_bytes = self.wl.tokens * self.wl.meta["hidden"] * s.param_bytes  # the (b, s, h) activation
+        elements = self.wl.tokens * self.wl.meta["hidden"]  # the (b, s, h) activation
+        hidden_bytes = elements * s.param_bytes
         backward = kernel_pass == "backward"
         items: list = []
         for k in (kernels[::-1] if backward else kernels):
@@ -97,8 +121,12 @@ class TensorParallelCompute:
             if backward:
                 before, after = after, before
             pick = 1 if backward else 0
+            float8 = k.dtype == "fp8"  # a Float8Linear: its cast, with its amax, precedes the collective before it
+            if float8 and _amax_all_reduce(k.name, backward, s.sequence_parallel):
+                items.append(("all_reduce", AMAX_BYTES))
             if before and before[pick]:
-                items.append((before[pick], hidden_bytes))
+                kind = before[pick]
+                items.append((kind, elements * FLOAT8_BYTES if float8 and kind == "all_gather" else hidden_bytes))
             items.append(k)
             if after and after[pick]:
                 items.append((after[pick], hidden_bytes))

@@ -15,6 +15,13 @@ What a Float8Linear runs (torchao `float8/float8_linear.py`, `matmul_with_hp_or_
 - what it saves for backward: `ctx.save_for_backward(input_hp, weight_hp_t)`, the high-precision input (what
   a bf16 Linear saves anyway) and the weight as it arrived (the unsharded parameter, in float8 when FSDP
   all-gathered it so): no activation bytes beyond a bf16 Linear's; the fp8 copies are temporaries.
+
+Under tensor parallel torchtitan's plan casts a Linear's input before the module sees it (torchao
+`float8_tensor_parallel.py`): `PrepareFloat8ModuleInput` casts the attention's and the MLP's input once,
+on this rank's sequence shard with sequence parallel, before the all-gather (wk / wv / w3 take wq's / w1's
+cast, `tensor_already_casted_to_fp8`), and `Float8RowwiseParallel` casts wo's and w2's sharded input.
+A Linear whose input arrives in float8 saves that float8 tensor, so its backward does not cast the input
+again. Not modelled: that the saved inputs are then float8 (the activation bytes stay a bf16 Linear's).
 """
 
 from __future__ import annotations
@@ -72,12 +79,30 @@ def _converted(k: Kernel) -> bool:
     return n % SCALED_MM_ALIGN == 0 and kk % SCALED_MM_ALIGN == 0
 
 
-def _float8_linear(k: Kernel, weight_cast: bool) -> tuple[Kernel, Kernel]:
+COLWISE_FIRST = ("wq", "w1")  # under TP, the Linears whose module input PrepareFloat8ModuleInput casts
+COLWISE_SHARED = ("wk", "wv", "w3")  # ... and those that read that cast
+
+
+def _input_cast_rows(name: str, rows: int, tp: int, sequence_parallel: bool) -> tuple[int, bool]:
+    """Rows of the input a Float8Linear casts in forward, and whether its backward casts it again: its own
+    whole input without TP; under torchtitan's TP plan the module input once (the sequence shard with
+    sequence parallel), nothing for the Linears sharing that cast, and no recast in backward."""
+    if tp == 1:
+        return rows, True
+    if name in COLWISE_SHARED:
+        return 0, False
+    if name in COLWISE_FIRST and sequence_parallel:
+        return rows // tp, False
+    return rows, False
+
+
+def _float8_linear(k: Kernel, weight_cast: bool, tp: int = 1, sequence_parallel: bool = True) -> tuple[Kernel, Kernel]:
     """A Float8Linear's casts (one memory-bound kernel, forward and backward traffic) and its fp8 GEMM."""
     m, n, kk = k.shape
     weight = n * kk * AMAX_AND_CAST_BYTES if weight_cast else 0
-    fwd = m * kk * AMAX_AND_CAST_BYTES + weight
-    bwd = (m * n + m * kk) * AMAX_AND_CAST_BYTES + weight + (n * kk + m * n + m * kk) * TRANSPOSE_BYTES
+    rows, recast = _input_cast_rows(k.name, m, tp, sequence_parallel)
+    fwd = rows * kk * AMAX_AND_CAST_BYTES + weight
+    bwd = (m * n + (m * kk if recast else 0)) * AMAX_AND_CAST_BYTES + weight + (n * kk + m * n + m * kk) * TRANSPOSE_BYTES
     casts = Kernel(f"float8 casts ({k.name})", "elementwise", bytes=fwd, bwd_bytes=bwd,
                    launches=CAST_LAUNCHES * (1 + weight_cast), bwd_launches=CAST_LAUNCHES * (3 + weight_cast) + 3,
                    recompute=k.recompute)
@@ -89,6 +114,7 @@ def float8_workload(wl: Workload, f8: Float8) -> tuple[Workload, frozenset[str]]
     if not f8.enabled:
         return wl, frozenset()
     weight_cast = not f8.fsdp_float8_all_gather
+    tp, sp = wl.meta.get("tp", 1), wl.meta.get("sequence_parallel", True)
     converted: dict[int, tuple[Kernel, ...]] = {}  # one tuple per distinct kernel list: op pricing caches by it
     weights: set[str] = set()
     modules = []
@@ -98,7 +124,7 @@ def float8_workload(wl: Workload, f8: Float8) -> tuple[Workload, frozenset[str]]
             if id(m.kernels) not in converted:
                 out: list[Kernel] = []
                 for k in m.kernels:
-                    out += _float8_linear(k, weight_cast) if _converted(k) else (k,)
+                    out += _float8_linear(k, weight_cast, tp, sp) if _converted(k) else (k,)
                 converted[id(m.kernels)] = tuple(out)
             weights |= {p.name for p in m.params if p.name.endswith(".weight") and p.name.split(".")[-2] in names}
             m = replace(m, kernels=converted[id(m.kernels)])
