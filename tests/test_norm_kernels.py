@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from fsdp_sim.torch_tools.trace import trace_module  # noqa: E402
-from fsdp_sim.workload.transformer import TransformerDims, norm_saves  # noqa: E402
+from fsdp_sim.workload.transformer import TransformerDims, norm_backward_moment, norm_saves, norm_transients  # noqa: E402
 
 B, S, H = 2, 16, 64
 
@@ -71,3 +71,29 @@ def test_norm_saves_match_autograd(impl, norm, cuda, parameter_sized, dtype, p):
     expected = norm_saves(TransformerDims(hidden=H, layers=1, heads=4, vocab=8, norm_impl=impl), B * S, p)
     assert traced.saves_input == expected.keeps_input
     assert traced.saved_bytes == expected.extra + parameter_sized
+    # what it allocates and drops: forward, the upcast; backward, its moment (transients, input and weight
+    # gradients); Gemma's fp32 (1 + weight) moves its moment by parameter-sized vectors
+    dims = TransformerDims(hidden=H, layers=1, heads=4, vocab=8, norm_impl=impl)
+    assert traced.fwd_temp_bytes == norm_transients(dims, B * S, p).fwd
+    assert abs(traced.bwd_temp_bytes - norm_backward_moment(dims, B * S, p)) <= 2 * parameter_sized
+
+
+@pytest.mark.parametrize("mlp, norm, bias, dtype", [("swiglu", "rmsnorm", False, "bf16"), ("swiglu", "rmsnorm", True, "fp32"),
+                                                   ("gelu", "layernorm", True, "bf16"), ("gelu", "rmsnorm", False, "fp32")])
+def test_block_and_final_norm_transients_match_the_traced_reference_model(mlp, norm, bias, dtype):
+    """The analytic builder's forward and backward transients against the same model traced on the CPU (its
+    composite RMSNorm upcasts): a block's (the norm's fp32 forward tensor can be its largest; ffn_norm's
+    backward is a moment of its own) and the final norm's, at 2048 tokens. (With a few hundred tokens the
+    blocks' weight gradients, which only w2's moment counts, outweigh the activations and the two part.)"""
+    from fsdp_sim.scenario import parse_scenario
+    from fsdp_sim.torch_tools.reference_model import ReferenceConfig
+    from fsdp_sim.torch_tools.referee import reference_scenario, traced_reference_workload
+
+    cfg = ReferenceConfig(hidden=1024, layers=2, heads=8, kv_heads=8, ffn_hidden=2816 if mlp == "swiglu" else 4096,
+                          vocab=4096, mlp=mlp, norm=norm, bias=bias)
+    traced = {m.name: m for m in traced_reference_workload(cfg, batch=2, seq=1024, param_dtype=dtype).modules}
+    built = {m.name: m for m in parse_scenario(reference_scenario(cfg, world_size=8, batch=2, seq=1024,
+                                                                  param_dtype=dtype)).workload.modules}
+    for name in ("layers.1", "norm"):
+        assert (built[name].fwd_temp_bytes, built[name].bwd_temp_bytes) == \
+            (traced[name].fwd_temp_bytes, traced[name].bwd_temp_bytes), name

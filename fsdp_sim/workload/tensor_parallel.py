@@ -28,7 +28,8 @@ from fsdp_sim.dtypes import itemsize
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.workload.kernels import embedding_kernels
 from fsdp_sim.workload.model import Kernel, Workload
-from fsdp_sim.workload.transformer import TransformerDims, build_transformer, norm_saves
+from fsdp_sim.workload.transformer import (TransformerDims, block_activations, build_transformer, norm_backward_moment,
+                                           norm_saves, norm_transients)
 
 # kernels whose rows a sequence-parallel rank runs on its 1/k of the tokens (norms, residual adds, dropouts)
 SEQUENCE_SHARDED = ("norm", "norm_unfused")
@@ -105,6 +106,7 @@ def build_tp_transformer(d: TransformerDims, tp: TensorParallel, *, micro_batch:
     p, tok = itemsize(act_dtype), micro_batch * seq_len
     bsh = tok * d.hidden * p
     repl = _replicated_saves(d, tok, p) - _replicated_saves(d, tok // k, p)
+    act = block_activations(tp_dims(d, k), micro_batch, seq_len, p, norm_tokens=tok // k)  # the norms on 1/k of the rows
     sharded: dict[int, tuple[Kernel, ...]] = {}  # one tuple per distinct kernel list: op pricing caches by it
     modules = []
     for m in wl.modules:
@@ -112,9 +114,11 @@ def build_tp_transformer(d: TransformerDims, tp: TensorParallel, *, micro_batch:
             m = replace(m, output_bytes=bsh // k, kernels=embedding_kernels(tok, d.hidden, -(-d.vocab // k), p))
         elif m.is_block:
             kernels = sharded.setdefault(id(m.kernels), _sequence_sharded(m.kernels, k))
-            m = replace(m, saved_bytes=m.saved_bytes - repl, output_bytes=bsh // k, kernels=kernels)
+            m = replace(m, saved_bytes=m.saved_bytes - repl, fwd_temp_bytes=act.fwd_temp, bwd_temp_bytes=act.bwd_temp,
+                        output_bytes=bsh // k, kernels=kernels)
         elif m.kind == "norm":
-            m = replace(m, saved_bytes=norm_saves(d, tok // k, p).extra, output_bytes=bsh // k,
+            m = replace(m, saved_bytes=norm_saves(d, tok // k, p).extra, fwd_temp_bytes=norm_transients(d, tok // k, p).fwd,
+                        bwd_temp_bytes=norm_backward_moment(d, tok // k, p), output_bytes=bsh // k,
                         kernels=_sequence_sharded(m.kernels, k))
         elif m.kind == "head":  # saves its all-gathered (whole) input; the norm's 1/k output is dropped
             m = replace(m, saved_bytes=m.saved_bytes + bsh, saves_input=False)

@@ -150,6 +150,37 @@ def norm_saves(d: TransformerDims, tok: int, p: int) -> NormSaves:
 
 
 @dataclass(frozen=True, slots=True)
+class NormTransients:
+    """What one normalization layer allocates and drops: `fwd`, its forward's transient peak; `bwd`, what
+    its backward holds at its peak beyond its input gradient and its weight's gradient."""
+
+    fwd: int
+    bwd: int
+
+
+def norm_transients(d: TransformerDims, tok: int, p: int) -> NormTransients:
+    """A norm's transients over `tok` rows of `hidden`, as `trace_module` measures them on torch 2.13
+    (tests/test_norm_kernels.py holds each to autograd): the fused kernels (LayerNorm, fused RMSNorm)
+    allocate none beyond their outputs; the upcasting ones (composite, `hf_llama`) hold an fp32
+    (tokens, hidden) tensor in forward when the input is 16-bit (`hf_llama` one fp32 value a row more), and
+    in backward two fp32 (tokens, hidden) tensors, three for a 16-bit input (the upcast gradient), `hf_llama`
+    one (tokens, hidden) tensor in the activation dtype more, less the rstd they release first."""
+    if d.norm == "layernorm" or d.norm_impl == "fused":
+        return NormTransients(0, 0)
+    rows = tok * 4 if d.norm_impl == "hf_llama" else 0
+    upcast = p != 4
+    fwd = (tok * d.hidden * 4 if upcast else 0) + rows
+    bwd = (2 + upcast) * tok * d.hidden * 4 + (tok * d.hidden * p if d.norm_impl == "hf_llama" and upcast else 0) - tok * 4
+    return NormTransients(fwd, bwd)
+
+
+def norm_backward_moment(d: TransformerDims, tok: int, p: int) -> int:
+    """A norm module's backward peak above the level it began at: its transients, its input gradient and
+    its parameters' gradients."""
+    return norm_transients(d, tok, p).bwd + tok * d.hidden * p + len(_norm("n", d)) * d.hidden * p
+
+
+@dataclass(frozen=True, slots=True)
 class BlockActivations:
     """Bytes one block keeps for backward (excluding its input and output), its transient peaks, and
     whether it keeps its input (the previous block's output) alive until its backward."""
@@ -160,9 +191,11 @@ class BlockActivations:
     saves_input: bool
 
 
-def block_activations(d: TransformerDims, b: int, s: int, p: int) -> BlockActivations:
-    """Op-by-op list of what a pre-norm block saves; `p` is the activation dtype's size in bytes."""
+def block_activations(d: TransformerDims, b: int, s: int, p: int, norm_tokens: int | None = None) -> BlockActivations:
+    """Op-by-op list of what a pre-norm block saves; `p` is the activation dtype's size in bytes.
+    `norm_tokens`: the rows the norms run on when not all of them (a sequence-parallel rank's 1/k)."""
     tok = b * s
+    norm_tok = tok if norm_tokens is None else norm_tokens
     h, f, a = d.hidden, d.ffn, d.heads
     norm = norm_saves(d, tok, p)
     bsh = tok * h * p
@@ -196,13 +229,20 @@ def block_activations(d: TransformerDims, b: int, s: int, p: int) -> BlockActiva
     saved += mask_h  # MLP-output dropout mask
     # transients: the largest tensor created and dropped inside the block's forward
     kv_before_expand = 2 * tok * d.kv * d.head_dim * p if d.kv != d.heads else 0
-    fwd_temp = max(scores, kv_before_expand, bsh + dropout_out_h)
-    # backward: the MLP's moment is at the activation's backward, after w2's: w2's weight gradient,
-    # the product's gradient and the gradients of the activation's inputs exist, while w2's saved
+    fwd_temp = max(scores, kv_before_expand, bsh + dropout_out_h, norm_transients(d, norm_tok, p).fwd)
+    # backward: the MLP's moment is at the activation's backward, after w2's: w2's weight (and bias)
+    # gradient, the product's gradient and the gradients of the activation's inputs exist, while w2's saved
     # input (the product / gelu output) is already released: +1 (gelu) or +2 (swiglu) ffn-sized tensors
-    mlp = (2 * bsf if d.mlp == "swiglu" else bsf) + h * f * p
+    mlp = (2 * bsf if d.mlp == "swiglu" else bsf) + (h * f + (h if d.bias else 0)) * p
     attention = 2 * scores + 4 * max(bsh, bsq)  # grads of q, k, v and the output (and of the scores)
-    return BlockActivations(saved=saved, fwd_temp=fwd_temp, bwd_temp=max(mlp, attention),
+    # ffn_norm's backward, after the MLP's: the gradient of its output, its own backward moment and the MLP's
+    # weight gradients, the MLP's saved tensors and the norm's output (saved by w1) released; an upcasting
+    # norm's fp32 tensors make it the block's peak where the MLP is narrow (a tensor-parallel rank's).
+    # attention_norm's comes after the attention's saved tensors (>= 5 bsh) are released: never above it
+    mlp_linears = (3 if d.mlp == "swiglu" else 2) * (h * f + (f if d.bias else 0)) * p + (h * p if d.bias else 0)
+    mlp_saved = (4 if d.mlp == "swiglu" else 2) * bsf + mask_h
+    ffn_norm = norm_tok * h * p + norm_backward_moment(d, norm_tok, p) + mlp_linears - mlp_saved - bsh
+    return BlockActivations(saved=saved, fwd_temp=fwd_temp, bwd_temp=max(mlp, attention, ffn_norm),
                             saves_input=norm.keeps_input)
 
 
@@ -238,7 +278,9 @@ def build_transformer(d: TransformerDims, *, micro_batch: int, seq_len: int, act
 
     final_norm = norm_saves(d, tok, p)
     modules.append(Module("norm", "norm", tuple(_norm("norm", d)), fwd_hbm_bytes=2 * bsh,
-                          saved_bytes=final_norm.extra, output_bytes=bsh, saves_input=final_norm.keeps_input,
+                          saved_bytes=final_norm.extra, fwd_temp_bytes=norm_transients(d, tok, p).fwd,
+                          bwd_temp_bytes=norm_backward_moment(d, tok, p), output_bytes=bsh,
+                          saves_input=final_norm.keeps_input,
                           kernels=(norm("norm", tok, h, p, fused=d.norm == "layernorm" or d.norm_impl == "fused"),)))
     head_params = () if d.tie_embeddings else (Param("output.weight", (v, h)),)
     logits = tok * v * p
