@@ -52,11 +52,13 @@ __all__ = ["run_fsdp_mem_tracker", "CATEGORIES"]
 
 
 def _apply_fully_shard(model, mesh, *, wrap: str, reshard_after_forward, root_reshard_after_forward,
-                       mp, head_mp) -> list:
+                       mp, head_mp, blocks_per_unit: int = 1) -> list:
     """``fully_shard`` bottom-up as the wrap names it; returns the FSDP modules with parameters, in
     pre-forward order (the root first when it has any).
 
     * ``per_block``: each TransformerBlock, then the root (which keeps the embedding, norm and head);
+    * ``every_k_blocks``: ``fully_shard(layers[i:i + k])`` for each run of ``blocks_per_unit`` blocks (one
+      FSDP state per group, its forward hooks on the group), then the root;
     * ``torchtitan``: ``apply_fsdp_to_decoder`` (torchtitan/distributed/fsdp.py): the embedding, the norm
       and head grouped with ``reshard_after_forward=False``, each block, then the root (no parameters);
     * ``whole_model``: the root only.
@@ -80,6 +82,11 @@ def _apply_fully_shard(model, mesh, *, wrap: str, reshard_after_forward, root_re
         for block in model.layers:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
             units.append(block)
+    if wrap == "every_k_blocks":
+        blocks = list(model.layers)
+        for i in range(0, len(blocks), blocks_per_unit):
+            fully_shard(blocks[i:i + blocks_per_unit], mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+            units.append(blocks[i])  # the group's FSDP state, reached through any of its modules
     if wrap == "torchtitan":
         fully_shard([model.norm, model.output], mesh=mesh, reshard_after_forward=False, mp_policy=head_mp)
         units.append(model.norm)  # the group's FSDP state, reached through either module
@@ -150,6 +157,7 @@ def run_fsdp_mem_tracker(
     batch: int,
     seq: int,
     wrap: str = "per_block",
+    blocks_per_unit: int = 1,
     reshard_after_forward: bool | int = True,
     root_reshard_after_forward: bool | int | None = None,
     shard_size: int | None = None,
@@ -246,8 +254,8 @@ def run_fsdp_mem_tracker(
     from .reference_model import ReferenceTransformer
     from .reference_model import loss_fn as reference_loss
 
-    if wrap not in ("per_block", "whole_model", "torchtitan"):
-        raise ValueError(f"wrap must be 'per_block', 'torchtitan' or 'whole_model', got {wrap!r}")
+    if wrap not in ("per_block", "every_k_blocks", "whole_model", "torchtitan"):
+        raise ValueError(f"wrap must be 'per_block', 'every_k_blocks', 'torchtitan' or 'whole_model', got {wrap!r}")
     if param_dtype not in _DTYPES or any(d not in (None, *_DTYPES) for d in (reduce_dtype, output_dtype, head_output_dtype)):
         raise ValueError("param_dtype / reduce_dtype / output_dtype must be 'fp32' or 'bf16'")
     shard_size = shard_size or world_size
@@ -318,7 +326,7 @@ def run_fsdp_mem_tracker(
             units = _apply_fully_shard(
                 model, mesh, wrap=wrap, reshard_after_forward=reshard_after_forward,
                 root_reshard_after_forward=root_reshard_after_forward,
-                mp=policy(output_dtype), head_mp=policy(head_output_dtype or output_dtype),
+                mp=policy(output_dtype), head_mp=policy(head_output_dtype or output_dtype), blocks_per_unit=blocks_per_unit,
             )
             _set_prefetch(units, model, forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
             model.to_empty(device="cpu")

@@ -59,6 +59,10 @@ SETTER_CASES = [
     ("reduce-dtype-unset", {}, {"reduce_dtype": None}),
     ("torchtitan-wrap-fp32-head", {}, {"wrap": "torchtitan", "head_output_dtype": "fp32"}),
     ("torchtitan-wrap-small-batch", {"vocab": 512}, SMALL | {"wrap": "torchtitan"}),
+    # fully_shard([layers[0], layers[1]]): one state whose group unshards before layers[0] and reshards after
+    # layers[1] (the tracker's hooks put back as FSDP groups them: tracker_patches.py)
+    ("every-2-blocks", {}, {"wrap": "every_k_blocks", "blocks_per_unit": 2}),
+    ("every-2-blocks-small-batch", {"vocab": 512}, SMALL | {"wrap": "every_k_blocks", "blocks_per_unit": 2}),
     ("output-dtype-fp32-every-unit-small-batch", {"vocab": 512}, SMALL | {"output_dtype": "fp32"}),
     ("hsdp-2x4-accumulation-3-no-all-reduce", {"vocab": 512},
      SMALL | {"world_size": 8, "shard_size": 4, "grad_accumulation": 3, "requires_all_reduce": False}),
@@ -82,7 +86,7 @@ _DIM_FIELDS = ("hidden", "layers", "heads", "kv_heads", "ffn_hidden", "vocab", "
                "tie_embeddings", "learned_pos", "max_seq")
 
 
-def reference_scenario(cfg, *, world_size: int, batch: int, seq: int, wrap: str = "per_block",
+def reference_scenario(cfg, *, world_size: int, batch: int, seq: int, wrap: str = "per_block", blocks_per_unit: int = 1,
                        reshard_after_forward: bool | int = True, root_reshard_after_forward: bool | int | None = None,
                        shard_size: int | None = None, param_dtype: str = "bf16", reduce_dtype: str | None = "fp32",
                        output_dtype: str | None = None, head_output_dtype: str | None = None,
@@ -106,6 +110,8 @@ def reference_scenario(cfg, *, world_size: int, batch: int, seq: int, wrap: str 
             "forward_prefetch": forward_prefetch, "backward_prefetch": backward_prefetch or False,
             "requires_gradient_sync": requires_gradient_sync, "requires_all_reduce": requires_all_reduce,
             "reshard_after_backward": reshard_after_backward, "mixed_precision": mixed_precision}
+    if wrap == "every_k_blocks":
+        fsdp["blocks_per_unit"] = blocks_per_unit
     if root_reshard_after_forward is not None:
         fsdp["root_reshard_after_forward"] = root_reshard_after_forward
     if shard_size is not None:
