@@ -177,7 +177,8 @@ def norm_transients(d: TransformerDims, tok: int, p: int) -> NormTransients:
 def norm_backward_moment(d: TransformerDims, tok: int, p: int) -> int:
     """A norm module's backward peak above the level it began at: its transients, its input gradient and
     its parameters' gradients."""
-    return norm_transients(d, tok, p).bwd + tok * d.hidden * p + len(_norm("n", d)) * d.hidden * p
+    params = 2 if d.norm == "layernorm" else 1  # weight (and bias), each `hidden` elements (`_norm`)
+    return norm_transients(d, tok, p).bwd + tok * d.hidden * p + params * d.hidden * p
 
 
 @dataclass(frozen=True, slots=True)
