@@ -78,21 +78,25 @@ def test_norm_saves_match_autograd(impl, norm, cuda, parameter_sized, dtype, p):
     assert abs(traced.bwd_temp_bytes - norm_backward_moment(dims, B * S, p)) <= 2 * parameter_sized
 
 
-@pytest.mark.parametrize("mlp, norm, bias, dtype", [("swiglu", "rmsnorm", False, "bf16"), ("swiglu", "rmsnorm", True, "fp32"),
-                                                   ("gelu", "layernorm", True, "bf16"), ("gelu", "rmsnorm", False, "fp32")])
-def test_block_and_final_norm_transients_match_the_traced_reference_model(mlp, norm, bias, dtype):
+@pytest.mark.parametrize("mlp, norm, bias, dtype, kv_heads, tokens", [
+    ("swiglu", "rmsnorm", False, "bf16", 8, 2048), ("swiglu", "rmsnorm", True, "fp32", 8, 2048),
+    ("gelu", "layernorm", True, "bf16", 8, 2048), ("gelu", "rmsnorm", False, "fp32", 8, 2048),
+    ("swiglu", "rmsnorm", False, "bf16", 2, 2048)])
+def test_block_and_final_norm_transients_match_the_traced_reference_model(mlp, norm, bias, dtype, kv_heads, tokens):
     """The analytic builder's forward and backward transients against the same model traced on the CPU (its
     composite RMSNorm upcasts): a block's (the norm's fp32 forward tensor can be its largest; ffn_norm's
-    backward is a moment of its own) and the final norm's, at 2048 tokens. (With a few hundred tokens the
-    blocks' weight gradients, which only w2's moment counts, outweigh the activations and the two part.)"""
+    backward is a moment of its own) and the final norm's, at 2048 tokens. Not held: a few hundred tokens,
+    where attention_norm's backward, with every weight gradient alive, is the block's peak (not modelled,
+    see `block_activations`)."""
     from fsdp_sim.scenario import parse_scenario
     from fsdp_sim.torch_tools.reference_model import ReferenceConfig
     from fsdp_sim.torch_tools.referee import reference_scenario, traced_reference_workload
 
-    cfg = ReferenceConfig(hidden=1024, layers=2, heads=8, kv_heads=8, ffn_hidden=2816 if mlp == "swiglu" else 4096,
+    cfg = ReferenceConfig(hidden=1024, layers=2, heads=8, kv_heads=kv_heads, ffn_hidden=2816 if mlp == "swiglu" else 4096,
                           vocab=4096, mlp=mlp, norm=norm, bias=bias)
-    traced = {m.name: m for m in traced_reference_workload(cfg, batch=2, seq=1024, param_dtype=dtype).modules}
-    built = {m.name: m for m in parse_scenario(reference_scenario(cfg, world_size=8, batch=2, seq=1024,
+    batch, seq = (2, tokens // 2) if tokens > 1024 else (1, tokens)
+    traced = {m.name: m for m in traced_reference_workload(cfg, batch=batch, seq=seq, param_dtype=dtype).modules}
+    built = {m.name: m for m in parse_scenario(reference_scenario(cfg, world_size=8, batch=batch, seq=seq,
                                                                   param_dtype=dtype)).workload.modules}
     for name in ("layers.1", "norm"):
         assert (built[name].fwd_temp_bytes, built[name].bwd_temp_bytes) == \

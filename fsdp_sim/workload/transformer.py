@@ -236,10 +236,13 @@ def block_activations(d: TransformerDims, b: int, s: int, p: int, norm_tokens: i
     # input (the product / gelu output) is already released: +1 (gelu) or +2 (swiglu) ffn-sized tensors
     mlp = (2 * bsf if d.mlp == "swiglu" else bsf) + (h * f + (h if d.bias else 0)) * p
     attention = 2 * scores + 4 * max(bsh, bsq)  # grads of q, k, v and the output (and of the scores)
-    # ffn_norm's backward, after the MLP's: the gradient of its output, its own backward moment and the MLP's
-    # weight gradients, the MLP's saved tensors and the norm's output (saved by w1) released; an upcasting
-    # norm's fp32 tensors make it the block's peak where the MLP is narrow (a tensor-parallel rank's).
-    # attention_norm's comes after the attention's saved tensors (>= 5 bsh) are released: never above it
+    # ffn_norm's backward, after the MLP's: the gradient of its output, its own moment (transients, input and
+    # weight gradients) and the MLP's weight gradients, the MLP's saved tensors and the norm's output (saved
+    # by w1) released; an upcasting norm's fp32 tensors make it the block's peak where the MLP is narrow (a
+    # tensor-parallel rank's). Not modelled: attention_norm's, last, with every weight gradient alive and
+    # every saved tensor but its own released, the peak only with a few hundred tokens, where the weight
+    # gradients outweigh the activations; the ledger's state after the block (every gradient) is then a
+    # few (tokens, hidden) tensors below it (tests/test_norm_kernels.py)
     mlp_linears = (3 if d.mlp == "swiglu" else 2) * (h * f + (f if d.bias else 0)) * p + (h * p if d.bias else 0)
     mlp_saved = (4 if d.mlp == "swiglu" else 2) * bsf + mask_h
     ffn_norm = norm_tok * h * p + norm_backward_moment(d, norm_tok, p) + mlp_linears - mlp_saved - bsh
