@@ -279,3 +279,14 @@ def test_profile_loader_refuses_a_matmul_efficiency_no_gpu_has(eff):
     data["matmul_efficiency"] = eff
     with pytest.raises(ScenarioError, match=r"matmul_efficiency must be a number in \[0.001, 1\]"):
         parse_profile(data, "a100-80gb.yaml")
+
+
+def test_profile_loader_checks_an_fp8_matmul_efficiency():
+    data = read_data(REPO_PROFILES / "h200.yaml", "profile")
+    data["fp8_matmul_efficiency"] = 1.5
+    with pytest.raises(ScenarioError, match=r"fp8_matmul_efficiency must be a number in \[0.001, 1\]"):
+        parse_profile(data, "h200.yaml")
+    data = read_data(REPO_PROFILES / "a100-80gb.yaml", "profile")  # no fp8 tensor cores
+    data["fp8_matmul_efficiency"] = 0.5
+    with pytest.raises(ScenarioError, match=r"fp8_matmul_efficiency needs an fp8 entry in peak_flops"):
+        parse_profile(data, "a100-80gb.yaml")

@@ -29,7 +29,7 @@ tables the memory it logged, `max_memory_reserved`). What a row establishes, and
   faster. The gap today is 1.09x to 1.76x on MPT, largest at 16k to 64k tokens, where the published runs'
   attention ran slower than the FlashAttention-2 rate the tool prices (they installed flash-attn 1.0.9;
   priced as FlashAttention-1 those rows come out 0.82x to 0.94x, so neither kernel's table is theirs:
-  the README's paragraph on scenarios/published/), and 1.08x to 1.24x on torchtitan's rows; see scenarios/published/.
+  the README's paragraph on scenarios/published/), and 1.02x to 1.21x on torchtitan's rows; see scenarios/published/.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ MISALIGNED_GEMM_FACTOR = 272.7 / 398.4
 ALIGN_BYTES = 128
 # Fraction of the TF32 peak a large fp32 matmul reaches with TF32 on: A100 10240^3 in 0.016 s = 134 of 156
 # TFLOPS [C6 PyTorch docs cuda.rst]; H100 4096^3 401.6 of 494.7 [C2]. Without TF32 the A100 ran 10240^3 in
-# 0.11 s = 19.5 TFLOPS, 100 % of the fp32 (non-tensor-core) peak [C6].
+# 0.11 s = 19.5 TFLOPS, 100 % of the fp32 (non-tensor-core) peak [C6]: assumed on every other GPU (no measurement).
 TF32_EFFICIENCY = {"sm80": 134.0 / 156.0, "sm90": 401.6 / 494.7}
 FP32_EFFICIENCY = 1.0
 # Fraction of the fp8 (e4m3) dense peak the best-shaped `torch._scaled_mm` reaches (MAMF): H100 SXM 1,402.6 of

@@ -42,15 +42,16 @@ def select_sdpa_backend(arch: str, options: ComputeOptions) -> str:
 
     FLASH is FlashAttention-1 before torch 2.2, which brought FlashAttention-2 into SDPA [F7]. torch 2.5.0
     put cuDNN first on H100; 2.5.1 moved it last after bugs (pytorch#138522), and 2.6-2.8 kept FLASH (FA2)
-    first; 2.9 enabled cuDNN by default for SM 9.0 / 10.0 (pytorch#162073) [C14, C16, §2.7]. Other GPUs
-    run FLASH.
+    first; 2.9 enabled cuDNN by default for SM 9.0 / 10.0 (pytorch#162073); 2.10 and 2.11 prefer it only
+    above cuDNN 9.15, which the cuDNN 2.10 bundles is not ("what changes at 2.11 is the bundled cuDNN
+    crossing the threshold") [C14, C15, C16, §2.7]. Other GPUs run FLASH.
     """
     if options.sdpa_backend != "auto":
         return options.sdpa_backend
     v = options.torch_version
     if v < (2, 2):
         return "flash1"
-    cudnn_first = v >= (2, 9) or v[:3] == (2, 5, 0) or v == (2, 5)
+    cudnn_first = (v >= (2, 9) and v[:2] != (2, 10)) or v[:3] == (2, 5, 0) or v == (2, 5)
     return "cudnn" if cudnn_first and arch in ("sm90", "sm100") else "flash"
 
 
@@ -88,7 +89,7 @@ def gemm_shape_factor(m: int, n: int, k: int, sms: int, itemsize: int) -> float:
         if dist2 < 1e-12:
             num, den = ratio, 1.0
             break
-        w = 1.0 / dist2 ** 2
+        w = 1.0 / dist2 ** 2  # Shepard's inverse-distance weights, power 4 (a choice, not fitted: the nearest shapes dominate)
         num, den = num + w * ratio, den + w
     factor = _physical(m, n, k, sms) * num / den
     align = kd.ALIGN_BYTES // itemsize
@@ -104,7 +105,8 @@ def gemm_rate(gpu, dtype: str, allow_tf32: bool) -> float:
             return gpu.peak_flops["tf32"] * kd.TF32_EFFICIENCY.get(gpu.arch, gpu.matmul_efficiency)
         return gpu.peak_flops["fp32"] * kd.FP32_EFFICIENCY
     if dtype == "fp8":  # torchao Float8Linear's torch._scaled_mm (the profile's efficiency is bf16's)
-        return gpu.flops("fp8") * kd.FP8_EFFICIENCY.get(gpu.arch, gpu.matmul_efficiency)
+        eff = gpu.fp8_matmul_efficiency or kd.FP8_EFFICIENCY.get(gpu.arch, gpu.matmul_efficiency)
+        return gpu.flops("fp8") * eff
     return gpu.flops(dtype) * gpu.matmul_efficiency
 
 
@@ -165,7 +167,10 @@ def attention_tflops(gpu, backend: str, d: int, s: int, causal: bool, peak: floa
     fwd, bwd = _fwd_bwd_tflops(backend, table_arch, d, s, causal)
     table_peak = kd.H100_BF16_PEAK if table_arch == "sm90" else kd.A100_BF16_PEAK
     scale = 1e12 * (gpu.flops("bf16") if peak is None else peak) / table_peak
-    return fwd * scale, bwd * scale
+    # never above the GPU's own large-GEMM rate: attention's FLOPs are matmuls on the same tensor cores (a
+    # GPU whose GEMMs reach less of its peak than the table's GPU did, MI300X's 51 %, or a power-capped part)
+    ceiling = gpu.matmul_efficiency * (gpu.flops("bf16") if peak is None else peak)
+    return min(fwd * scale, ceiling), min(bwd * scale, ceiling)
 
 
 # ---- memory-bound ---------------------------------------------------------------------------------------

@@ -23,7 +23,9 @@ from fsdp_sim.hardware.host_link import HostLink, parse_host
 REPO_PROFILES = Path(__file__).resolve().parents[2] / "hardware_profiles"
 _TOP_KEYS = {"name", "description", "arch", "sm_count", "memory_bytes", "hbm_bandwidth_Bps", "peak_flops",
              "matmul_efficiency", "gpus_per_node", "fabric", "cuda_context_bytes", "nccl_bytes"}
-_OPTIONAL_KEYS = {"host"}  # the host link and memory (hardware/host_link.py): only offload needs them
+# the host link and memory (hardware/host_link.py): only offload needs them; the large-GEMM fraction of the
+# fp8 peak where a measurement of this part exists (else kernel_data.FP8_EFFICIENCY by architecture)
+_OPTIONAL_KEYS = {"host", "fp8_matmul_efficiency"}
 _PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")  # a file stem in a profile folder
 _ARCH = re.compile(r"sm\d{2,3}|gfx\d{3,4}[a-z]?")  # CUDA compute capability (sm80, sm90, sm100) or AMD target (gfx942)
 
@@ -43,6 +45,7 @@ class GpuProfile:
     cuda_context_bytes: int
     nccl_bytes: int
     host: HostLink | None = None
+    fp8_matmul_efficiency: float | None = None
 
     def matmul_peak(self, dtype: str, allow_tf32: bool = False) -> float:
         """Dense peak FLOP/s of matmuls in `dtype`: fp32 ones run on TF32 tensor cores only when allowed
@@ -94,7 +97,7 @@ _RANGES = {"sm_count": (1, 1 << 16), "memory_bytes": (1 << 20, 1 << 50), "hbm_ba
            "peak_flops": (1e9, 1e18), "gpus_per_node": (1, 1024), "cuda_context_bytes": (1, 1 << 40),
            "nccl_bytes": (1, 1 << 40),
            # a GEMM at under 0.1 % of peak is no GPU's: far below it, times stop being finite
-           "matmul_efficiency": (1e-3, 1.0)}
+           "matmul_efficiency": (1e-3, 1.0), "fp8_matmul_efficiency": (1e-3, 1.0)}
 
 
 def _number(path: str, key: str, value, *, integer: bool = False) -> float:
@@ -129,7 +132,16 @@ def parse_profile(data, path: str) -> GpuProfile:
         gpus_per_node=gpus_per_node, fabric=parse_fabric(data["fabric"], f"{path}: fabric", gpus_per_node),
         cuda_context_bytes=_number(path, "cuda_context_bytes", data["cuda_context_bytes"], integer=True),
         nccl_bytes=_number(path, "nccl_bytes", data["nccl_bytes"], integer=True),
-        host=parse_host(data["host"], f"{path}: host", gpus_per_node) if "host" in data else None)
+        host=parse_host(data["host"], f"{path}: host", gpus_per_node) if "host" in data else None,
+        fp8_matmul_efficiency=_fp8_efficiency(path, data))
+
+
+def _fp8_efficiency(path: str, data: dict) -> float | None:
+    if "fp8_matmul_efficiency" not in data:
+        return None
+    if "fp8" not in data["peak_flops"]:
+        raise ScenarioError(f"{path}: fp8_matmul_efficiency needs an fp8 entry in peak_flops")
+    return _number(path, "fp8_matmul_efficiency", data["fp8_matmul_efficiency"])
 
 
 def _profile_dirs() -> list[Path]:
