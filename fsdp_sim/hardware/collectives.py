@@ -40,7 +40,13 @@ the tuner latency does. Hence busbw never exceeds B and t grows with S.
 
 Known limits: the latency is the Simple protocol's (FSDP messages are MiB-sized; below ~1 MiB NCCL picks
 LL/LL128 [S8], so tiny messages at large scale are pessimistic); no Tree/NVLSTree/PAT/SHARP; the ring curve
-shape of NVSwitch A100 is assumed for every scale-up fabric, the B200 EFA shape for every network.
+shape of NVSwitch A100 is assumed for every scale-up fabric, the B200 EFA shape for every network; the
+NIC-sum plateau holds at any node count, where measurements fall below it at scale (32 nodes of 8 H100:
+all-gather of 2 GB ~200 GB/s against all-reduce ~340, hardware.md 3.3; "the tuner model is optimistic at
+scale", component-timing 6.4), so all-gathers and reduce-scatters over tens of nodes are optimistic; NVLS
+runs at its 8-GPU plateau from 5 GPUs (H200 gains 1.14x over Ring at 5 to 1.29x at 8, B200 engages at 6:
+hardware.md 3.5; a TP group divides a node, so only 5- to 7-GPU nodes see it); NCCL's constants are
+2.27.3's whatever `compute.torch_version` says.
 
 Links shared by collectives in flight on different process groups: `links_crossed` names the per-rank
 resources a group's collective uses ("nvlink" / "xgmi" / "pcie" for this GPU's scale-up ports, "nic" for
