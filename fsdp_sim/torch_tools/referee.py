@@ -41,6 +41,9 @@ CASES = [
     ("grad-accumulation-3-no-sync", {}, {"grad_accumulation": 3, "requires_gradient_sync": False}),
     ("gpt2-style-layernorm-bias-tied", {"norm": "layernorm", "bias": True, "tie_embeddings": True, "learned_pos": True,
                                         "max_seq": 128, "mlp": "gelu", "ffn_hidden": 1024}, {}),
+    ("layernorm-bias-gelu-untied-ac-full", {"norm": "layernorm", "bias": True, "mlp": "gelu", "ffn_hidden": 1024},
+     {"activation_checkpointing": "full"}),
+    ("grad-accumulation-2-ac-full", {}, {"grad_accumulation": 2, "activation_checkpointing": "full"}),
 ]
 
 # The FSDP2 setters (issue #7 section 2) and the other MixedPrecisionPolicy dtypes (fp16 params, bf16 and fp16
@@ -50,6 +53,9 @@ SMALL = {"batch": 1, "seq": 32}
 SETTER_CASES = [
     ("hpz-2", {}, {"reshard_after_forward": 2}),
     ("hpz-2-small-batch", {"vocab": 512}, SMALL | {"reshard_after_forward": 2}),
+    ("hpz-4-w8-ac-full-small-batch", {"vocab": 512},
+     SMALL | {"world_size": 8, "reshard_after_forward": 4, "activation_checkpointing": "full"}),
+    ("backward-prefetch-off-small-batch", {"vocab": 512}, SMALL | {"backward_prefetch": 0}),
     ("hsdp-2x4", {}, {"world_size": 8, "shard_size": 4}),
     ("hsdp-2x4-hpz-2-small-batch", {"vocab": 512}, SMALL | {"world_size": 8, "shard_size": 4, "reshard_after_forward": 2}),
     ("prefetch-forward-2-backward-2-small-batch", {"vocab": 512}, SMALL | {"forward_prefetch": 2, "backward_prefetch": 2}),
