@@ -105,14 +105,17 @@ EAGER_MEMORY = {
 }
 # What a fused kernel reaches (torch.compile where measured, else the fused Triton kernel of the same op)
 FUSED_MEMORY = {
-    # torch.compile 2.7.1 RMSNorm bf16 32K x 4K ~2,300 GB/s of 3,350 on H100 [C17 Quack benchmark figure]
-    "norm": ((4096, 0.69),),
-    "norm_unfused": ((4096, 0.69),),
+    # torch.compile 2.7.1 RMSNorm bf16 on H100 (3,350 GB/s): 32K x 4K ~2,300, 32K x 16K ~1,800, 16K x 131K
+    # ~1,500 GB/s [C17 Quack benchmark figure, component-timing 3.1]
+    "norm": ((4096, 0.69), (16384, 0.537), (131072, 0.448)),
+    "norm_unfused": ((4096, 0.69), (16384, 0.537), (131072, 0.448)),
     # Liger fused RoPE, A100: 0.060 ms for the same ~84 MB = 1.4 TB/s, 69 % [C5; calc] (Inductor assumed alike)
     "rope": ((8192, 0.69),),
-    # Liger fused SwiGLU fwd, H100, 8192 x 32768: 3.05 TB/s, 91 % [C5] (Inductor assumed alike)
-    "activation": ((32768, 0.91),),
-    # torch.compile 2.7.1 cross-entropy fp32 32K x 32K ~3,150 GB/s of 3,350 [C17]
+    # Liger fused SwiGLU fwd, H100, 8192 tokens: ffn 4096 2.78 TB/s (83 %), ffn 32768 3.05 TB/s (91 %) [C5]
+    # (component-timing 3.2; Inductor assumed alike)
+    "activation": ((4096, 0.83), (32768, 0.91)),
+    # torch.compile 2.7.1 cross-entropy fp32 32K x 32K ~3,150 GB/s of 3,350 [C17]; taken for bf16 logits
+    # too, where it measured ~1,700 (32K) and ~1,230 (131K) GB/s (component-timing 3.1): not told apart
     "cross_entropy": ((32768, 0.94),),
     "elementwise": EAGER_MEMORY["elementwise"],
 }
