@@ -56,6 +56,9 @@ SETTER_CASES = [
     ("hpz-4-w8-ac-full-small-batch", {"vocab": 512},
      SMALL | {"world_size": 8, "reshard_after_forward": 4, "activation_checkpointing": "full"}),
     ("backward-prefetch-off-small-batch", {"vocab": 512}, SMALL | {"backward_prefetch": 0}),
+    ("shard-1-replicate-4-small-batch", {"vocab": 512}, SMALL | {"shard_size": 1}),  # FSDP2's NO_SHARD
+    ("cast-forward-inputs-false", {}, {"cast_forward_inputs": False}),
+    ("hsdp-2x2-ac-full", {}, {"shard_size": 2, "activation_checkpointing": "full"}),
     ("hsdp-2x4", {}, {"world_size": 8, "shard_size": 4}),
     ("hsdp-2x4-hpz-2-small-batch", {"vocab": 512}, SMALL | {"world_size": 8, "shard_size": 4, "reshard_after_forward": 2}),
     ("prefetch-forward-2-backward-2-small-batch", {"vocab": 512}, SMALL | {"forward_prefetch": 2, "backward_prefetch": 2}),
