@@ -104,8 +104,8 @@ def _float8_linear(k: Kernel, weight_cast: bool, tp: int = 1, sequence_parallel:
     fwd = rows * kk * AMAX_AND_CAST_BYTES + weight
     bwd = (m * n + (m * kk if recast else 0)) * AMAX_AND_CAST_BYTES + weight + (n * kk + m * n + m * kk) * TRANSPOSE_BYTES
     casts = Kernel(f"float8 casts ({k.name})", "elementwise", bytes=fwd, bwd_bytes=bwd,
-                   launches=CAST_LAUNCHES * (1 + weight_cast), bwd_launches=CAST_LAUNCHES * (3 + weight_cast) + 3,
-                   recompute=k.recompute)
+                   launches=CAST_LAUNCHES * ((rows > 0) + weight_cast),
+                   bwd_launches=CAST_LAUNCHES * (2 + recast + weight_cast) + 3, recompute=k.recompute)
     return casts, replace(k, dtype="fp8")
 
 
