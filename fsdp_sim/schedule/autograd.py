@@ -109,6 +109,8 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
         for p in m.params + tuple(self.params_by_name[n] for n in m.tied_params) if m.tied_params else m.params:
             if p.trainable and p.name not in grads:
                 grads[p.name] = g.alloc(COMPUTE, f"{p.name} unsharded grad", "unsharded_grads", p.numel * s.param_bytes)
+        if m.bwd_tail_bytes:  # the module's last backward moment, above the gradients it computed (Module)
+            g.free(COMPUTE, g.alloc(COMPUTE, f"{m.name} backward, last moment", "temporaries", self._scaled(m.bwd_tail_bytes)))
         if self.grad_output is not None:
             g.free(COMPUTE, self.grad_output)
         if nxt is None:

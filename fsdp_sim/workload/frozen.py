@@ -91,9 +91,15 @@ def without_frozen_gradients(wl: Workload, reads_input: frozenset[str] = frozens
         if not input_grad and unfused and kernels and kernels[0].kind == "norm_unfused":
             tok, hidden = kernels[0].shape
             dropped += (tok * hidden * 4 if p_act != 4 else 0) + tok * 4  # the fp32 copy of the input, rstd
+        tail = m.bwd_tail_bytes
         if m.is_block:
             dropped += _unkept_inputs(m, needs_dw, reads_input, p_act)
-        m = replace(m, kernels=kernels, saved_bytes=max(0, m.saved_bytes - dropped))
+            # attention_norm's last moment: none without an input gradient (nothing past it wants one);
+            # less what a frozen norm weight no longer keeps
+            first = kernels[0] if kernels and kernels[0].kind == "norm_unfused" and unfused else None
+            unkept = _norm_unkept(first, needs_dw[first.name], p_act, wl.meta["norm_impl"]) if first else 0
+            tail = max(0, tail - unkept) if input_grad else 0
+        m = replace(m, kernels=kernels, saved_bytes=max(0, m.saved_bytes - dropped), bwd_tail_bytes=tail)
         adapter_reads = any(n.startswith(r) for r in reads_input for n in names)
         if m.kind == "head" and not any(needs_dw.values()) and not adapter_reads:
             m = replace(m, saves_input=False)
@@ -107,7 +113,7 @@ def without_frozen_gradients(wl: Workload, reads_input: frozenset[str] = frozens
 def _inert(m: Module) -> Module:
     """A module that records no autograd graph: it saves nothing and runs no backward kernel."""
     kernels = tuple(replace(k, weight_grad=False, input_grad=False, bwd_bytes=0.0, bwd_launches=0) for k in m.kernels)
-    return replace(m, kernels=kernels, saved_bytes=0, saves_input=False, bwd_temp_bytes=0, bwd_flops=0.0)
+    return replace(m, kernels=kernels, saved_bytes=0, saves_input=False, bwd_temp_bytes=0, bwd_tail_bytes=0, bwd_flops=0.0)
 
 
 def _norm_unkept(k: Kernel, weight_grad: bool, p: int, impl: str) -> int:

@@ -12,6 +12,10 @@ Activation accounting convention (one owner per tensor, so nothing is counted tw
   (excluding the input and the output), freed when the module's backward ends.
 - `fwd_temp_bytes` / `bwd_temp_bytes`: transient peak above that during the forward / backward compute
   (workspaces, intermediate results freed before the module returns).
+- `bwd_tail_bytes`: a later backward moment, once its parameters' gradients all exist: what it then holds
+  beyond its end state (its input's gradient and those gradients; its saved tensors released) -- a
+  block's attention_norm backward, which with few tokens is the block's peak. The schedule adds it on top
+  of the gradients the run actually computes (none for a frozen weight).
 - In backward the gradient w.r.t. the module's input (same size as the input) is allocated; the gradient
   w.r.t. its output (allocated by the next module's backward) is freed when this module's backward ends.
 Sizes are for `activation_dtype`; a scenario with another compute dtype scales them.
@@ -129,6 +133,7 @@ class Module:
     saved_bytes: int = 0
     fwd_temp_bytes: int = 0
     bwd_temp_bytes: int = 0
+    bwd_tail_bytes: int = 0
     output_bytes: int = 0
     saves_input: bool = True
     is_block: bool = False

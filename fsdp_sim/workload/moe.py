@@ -177,7 +177,8 @@ def moe_block(d: TransformerDims, spec: MoESpec, name: str, *, b: int, s: int, p
     kernels = moe_kernels(d, spec, b, s, p)
     return Module(name, "block", params, fwd_flops=sum(kn.fwd_flops for kn in kernels),
                   bwd_flops=sum(kn.bwd_flops for kn in kernels), fwd_hbm_bytes=2 * (saved + bsh),
-                  saved_bytes=saved, fwd_temp_bytes=fwd_temp, bwd_temp_bytes=bwd_temp, output_bytes=bsh,
+                  saved_bytes=saved, fwd_temp_bytes=fwd_temp, bwd_temp_bytes=bwd_temp, bwd_tail_bytes=dense.bwd_tail,
+                  output_bytes=bsh,
                   saves_input=dense.saves_input, is_block=True, kernels=kernels)
 
 

@@ -115,7 +115,7 @@ def build_tp_transformer(d: TransformerDims, tp: TensorParallel, *, micro_batch:
         elif m.is_block:
             kernels = sharded.setdefault(id(m.kernels), _sequence_sharded(m.kernels, k))
             m = replace(m, saved_bytes=m.saved_bytes - repl, fwd_temp_bytes=act.fwd_temp, bwd_temp_bytes=act.bwd_temp,
-                        output_bytes=bsh // k, kernels=kernels)
+                        bwd_tail_bytes=act.bwd_tail, output_bytes=bsh // k, kernels=kernels)
         elif m.kind == "norm":
             m = replace(m, saved_bytes=norm_saves(d, tok // k, p).extra, fwd_temp_bytes=norm_transients(d, tok // k, p).fwd,
                         bwd_temp_bytes=norm_backward_moment(d, tok // k, p), output_bytes=bsh // k,

@@ -190,6 +190,7 @@ class BlockActivations:
     fwd_temp: int
     bwd_temp: int
     saves_input: bool
+    bwd_tail: int = 0  # attention_norm's moment above the block's end state (Module.bwd_tail_bytes)
 
 
 def block_activations(d: TransformerDims, b: int, s: int, p: int, norm_tokens: int | None = None) -> BlockActivations:
@@ -239,15 +240,16 @@ def block_activations(d: TransformerDims, b: int, s: int, p: int, norm_tokens: i
     # ffn_norm's backward, after the MLP's: the gradient of its output, its own moment (transients, input and
     # weight gradients) and the MLP's weight gradients, the MLP's saved tensors and the norm's output (saved
     # by w1) released; an upcasting norm's fp32 tensors make it the block's peak where the MLP is narrow (a
-    # tensor-parallel rank's). Not modelled: attention_norm's, last, with every weight gradient alive and
-    # every saved tensor but its own released, the peak only with a few hundred tokens, where the weight
-    # gradients outweigh the activations; the ledger's state after the block (every gradient) is then a
-    # few (tokens, hidden) tensors below it (tests/test_norm_kernels.py)
+    # tensor-parallel rank's). attention_norm's, last, comes once every weight gradient exists and every
+    # saved tensor but its own is released: above the block's end state by its output's gradient, its
+    # backward transients and what it saved (`bwd_tail`); the peak with a few hundred tokens, where the
+    # weight gradients outweigh the activations
     mlp_linears = (3 if d.mlp == "swiglu" else 2) * (h * f + (f if d.bias else 0)) * p + (h * p if d.bias else 0)
     mlp_saved = (4 if d.mlp == "swiglu" else 2) * bsf + mask_h
     ffn_norm = norm_tok * h * p + norm_backward_moment(d, norm_tok, p) + mlp_linears - mlp_saved - bsh
+    tail = norm_tok * h * p + norm_transients(d, norm_tok, p).bwd + norm_saves(d, norm_tok, p).extra
     return BlockActivations(saved=saved, fwd_temp=fwd_temp, bwd_temp=max(mlp, attention, ffn_norm),
-                            saves_input=norm.keeps_input)
+                            saves_input=norm.keeps_input, bwd_tail=tail)
 
 
 @lru_cache(maxsize=256)  # a sweep's points share shapes (a 10,000-point grid has 125); a Workload is frozen
@@ -278,7 +280,8 @@ def build_transformer(d: TransformerDims, *, micro_batch: int, seq_len: int, act
         modules.append(Module(
             f"layers.{i}", "block", params, fwd_flops=fwd, bwd_flops=bwd,
             fwd_hbm_bytes=2 * (act.saved + bsh), saved_bytes=act.saved, fwd_temp_bytes=act.fwd_temp,
-            bwd_temp_bytes=act.bwd_temp, output_bytes=bsh, saves_input=act.saves_input, is_block=True, kernels=kernels))
+            bwd_temp_bytes=act.bwd_temp, bwd_tail_bytes=act.bwd_tail, output_bytes=bsh, saves_input=act.saves_input,
+            is_block=True, kernels=kernels))
 
     final_norm = norm_saves(d, tok, p)
     modules.append(Module("norm", "norm", tuple(_norm("norm", d)), fwd_hbm_bytes=2 * bsh,
