@@ -27,7 +27,8 @@ What is measured, and how (the event log and its reading are in `recorder.py`):
   its forward minus what is alive at its end; `bwd_temp_bytes` the peak rise of all live memory
   during its backward over the level when it began (autograd nodes are tagged with the unit that
   created them; `torch._C._current_autograd_node()` says which runs): gradients made so far count,
-  saved tensors autograd has already released are netted out.
+  saved tensors autograd has already released are netted out. So `bwd_tail_bytes` (an analytic block's
+  last moment above its end state, `workload/model.py`) stays 0: the measured peak holds every moment.
 - `fwd_hbm_bytes`: bytes read and written by the forward's elementwise ops (every non-view op whose
   time does not come from FLOPs, as `hardware/costs.py` prices them; no fusion assumed; a gather reads
   only the rows it returns).
