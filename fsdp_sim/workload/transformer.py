@@ -177,8 +177,7 @@ def norm_transients(d: TransformerDims, tok: int, p: int) -> NormTransients:
 def norm_backward_moment(d: TransformerDims, tok: int, p: int) -> int:
     """A norm module's backward peak above the level it began at: its transients, its input gradient and
     its parameters' gradients."""
-    params = 2 if d.norm == "layernorm" else 1  # weight (and bias), each `hidden` elements (`_norm`)
-    return norm_transients(d, tok, p).bwd + tok * d.hidden * p + params * d.hidden * p
+    return norm_transients(d, tok, p).bwd + tok * d.hidden * p + sum(q.numel for q in _norm("", d)) * p
 
 
 @dataclass(frozen=True, slots=True)
