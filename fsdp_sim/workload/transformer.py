@@ -243,7 +243,7 @@ def block_activations(d: TransformerDims, b: int, s: int, p: int, norm_tokens: i
     # saved tensor but its own is released: above the block's end state by its output's gradient, its
     # backward transients and what it saved (`bwd_tail`); the peak with a few hundred tokens, where the
     # weight gradients outweigh the activations
-    mlp_linears = (3 if d.mlp == "swiglu" else 2) * (h * f + (f if d.bias else 0)) * p + (h * p if d.bias else 0)
+    mlp_linears = sum(q.numel for q in block_params(d, "") if q.name.startswith(".feed_forward.")) * p
     mlp_saved = (4 if d.mlp == "swiglu" else 2) * bsf + mask_h
     ffn_norm = norm_tok * h * p + norm_backward_moment(d, norm_tok, p) + mlp_linears - mlp_saved - bsh
     tail = norm_tok * h * p + norm_transients(d, norm_tok, p).bwd + norm_saves(d, norm_tok, p).extra
