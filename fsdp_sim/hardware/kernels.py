@@ -166,10 +166,11 @@ def attention_tflops(gpu, backend: str, d: int, s: int, causal: bool, peak: floa
     table_arch = "sm90" if gpu.arch in ("sm90", "sm100") or backend == "cudnn" else "sm80"
     fwd, bwd = _fwd_bwd_tflops(backend, table_arch, d, s, causal)
     table_peak = kd.H100_BF16_PEAK if table_arch == "sm90" else kd.A100_BF16_PEAK
-    scale = 1e12 * (gpu.flops("bf16") if peak is None else peak) / table_peak
+    peak = gpu.flops("bf16") if peak is None else peak
+    scale = 1e12 * peak / table_peak
     # never above the GPU's own large-GEMM rate: attention's FLOPs are matmuls on the same tensor cores (a
     # GPU whose GEMMs reach less of its peak than the table's GPU did, MI300X's 51 %, or a power-capped part)
-    ceiling = gpu.matmul_efficiency * (gpu.flops("bf16") if peak is None else peak)
+    ceiling = gpu.matmul_efficiency * peak
     return min(fwd * scale, ceiling), min(bwd * scale, ceiling)
 
 
