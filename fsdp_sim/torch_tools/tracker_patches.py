@@ -128,7 +128,32 @@ def _make_tracker_class():
             return self._wrap_events(fsdp_mod, inner, "pre-backward")
 
         def _fsdp_param_group_post_backward(self, fsdp_mod, orig):
-            inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig)
+            """torch 2.13's wrapper of `FSDPParamGroup.post_backward`, less a reference it leaks: torch's loop
+            `for fsdp_param in ...: unsharded_grad = fsdp_param._unsharded_param.grad` leaves its variable on
+            the unit's last gradient while it calls the original, so that gradient outlives FSDP's
+            `foreach_reduce` (`unsharded_grads.clear()` frees the others after the copy-in) until the hook
+            returns. Without the tracker nothing else holds it (refcount of the last gradient in
+            `foreach_reduce`: 3 untracked, 4 tracked), so CUDA frees it at the copy-in; torch's count
+            put the root's output-head gradient (vocab x hidden) above the peak of a small step."""
+            from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModState, _FSDPRefType, _FSDPState
+
+            @wraps(orig)
+            def inner(*args, **kwargs):
+                state = fsdp_mod._get_fsdp_state()
+                group = state._fsdp_param_group
+                for p in group.fsdp_params if group else ():
+                    if p._unsharded_param.grad is not None:
+                        self._update_and_maybe_create_winfos(p._unsharded_param.grad, _FSDPRefType.UNSHARDED_GRAD,
+                                                             update_existing=True)
+                stat = self.memory_tracking[fsdp_mod]
+                stat.snapshots.setdefault(_FSDPModState.BEF_POST_BW, []).append(self.get_tracker_snapshot())
+                self._fsdp_state = _FSDPState.POST_BW
+                orig(*args, **kwargs)
+                for p in group.fsdp_params if group else ():
+                    if p.sharded_param.grad is not None:
+                        self._update_and_maybe_create_winfos(p.sharded_param.grad, _FSDPRefType.SHARDED_GRAD)
+                stat.snapshots.setdefault(_FSDPModState.AFT_POST_BW, []).append(self.get_tracker_snapshot())
+
             return self._wrap_events(fsdp_mod, inner, "post-backward")
 
         # -- grouped fully_shard ---------------------------------------------------------------------
