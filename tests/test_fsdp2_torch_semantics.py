@@ -142,3 +142,68 @@ def test_hsdp_keeps_each_groups_reduce_dtype_output_until_finalize_backward(monk
     assert held[:3] == [[None, None, kept], [None, kept, kept], [kept, kept, kept]]
     assert finalized[0] == [True, True, True]  # the root's finalize_backward comes first
     assert all(g._all_reduce_state is None for g in groups)
+
+
+def _alive_after_copy_in(monkeypatch, world_size: int, tracker=None) -> list[list[bool]]:
+    """Per foreach_reduce of the second step, which of its unsharded gradients are still alive once
+    `unsharded_grads.clear()` has run (seen from `_div_if_needed`, foreach_reduce's next call). `tracker`:
+    a memory-tracker class run around the step as FSDPMemTracker(model, optimizer)."""
+    import weakref
+
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives as col
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as pg
+    from torch.distributed.device_mesh import init_device_mesh
+
+    seen, grads = [], []
+    reduce, divide = pg.foreach_reduce, col._div_if_needed
+
+    def logged_reduce(fsdp_params, unsharded_grads, *args, **kwargs):
+        grads[:] = [weakref.ref(g) for g in unsharded_grads]
+        return reduce(fsdp_params, unsharded_grads, *args, **kwargs)
+
+    def logged_divide(tensor, factor):
+        if grads:
+            seen.append([ref() is not None for ref in grads])
+            grads.clear()
+        return divide(tensor, factor)
+
+    monkeypatch.setattr(pg, "foreach_reduce", logged_reduce)
+    monkeypatch.setattr(col, "_div_if_needed", logged_divide)
+    with _fake_world(world_size):
+        model = _sharded(init_device_mesh("cpu", (world_size,)))
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        memory = tracker(model, optim) if tracker else None
+        with memory or contextlib.nullcontext():
+            for _ in range(2):
+                seen.clear()
+                _step(model)
+                optim.step()
+                optim.zero_grad()
+                if memory is not None:
+                    memory.reset_mod_stats()  # it tracks one iteration at a time
+    return seen
+
+
+def test_foreach_reduce_keeps_the_last_gradient_until_it_returns_with_a_shard_group(monkeypatch):
+    """What schedule/fsdp2_reduce.py models: with world_size > 1 the loop over (fsdp_param, unsharded_grad)
+    that re-chunks Shard(dim != 0) gradients leaves its variable on the group's last gradient, so
+    `unsharded_grads.clear()` frees all the others (each block's weight, the root's too) but not it;
+    alone in its shard group it frees every one."""
+    assert _alive_after_copy_in(monkeypatch, 4) == [[False, True]] * 4
+    assert _alive_after_copy_in(monkeypatch, 1) == [[False, False]] * 4
+
+
+def test_the_referee_tracker_does_not_keep_the_last_gradient_alive(monkeypatch):
+    """torch's FSDPMemTracker wraps post_backward with a loop that leaves `unsharded_grad` on the group's
+    last gradient while FSDP runs, which then outlives the copy-in even alone in its shard group (a peak
+    CUDA would not have); the referee's tracker (tracker_patches.py) keeps no reference."""
+    import threading
+
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from fsdp_sim.torch_tools.tracker_patches import _make_tracker_class
+
+    referee = _make_tracker_class()
+    assert _alive_after_copy_in(monkeypatch, 1, FSDPMemTracker) == [[False, True]] * 4  # torch's: the leak
+    patched = lambda model, optim: referee(model, optim, propagation_depth=threading.local(), record_timeline=False)
+    assert _alive_after_copy_in(monkeypatch, 1, patched) == [[False, False]] * 4

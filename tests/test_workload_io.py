@@ -31,7 +31,8 @@ def test_round_trip(tmp_path, suffix):
     back = load_workload(path)
     assert back == wl
     assert back.modules[-2].tied_params == ("tok_embeddings.weight",)
-    assert back.modules[1].params[1].shape == (64, 64)
+    shapes = {q.name: q.shape for q in back.modules[1].params}
+    assert shapes["layers.0.attention.wq.weight"] == (64, 64) and shapes["layers.0.attention.wk.weight"] == (32, 64)
     assert back.modules[2].fwd_time_s is None and back.modules[1].fwd_time_s == 1.5e-4
 
 

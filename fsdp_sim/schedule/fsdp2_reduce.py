@@ -42,6 +42,11 @@ class GradientReduction:
                  for p in u.params if p.name in accumulated or p.name in unsharded]
         copy_in = g.add("copy", COMPUTE, f"{u.name} reduce-scatter copy-in",
                         hbm_bytes=sum([b.nbytes for b in grads]) + rs_in.nbytes)
+        # `unsharded_grads.clear()` frees them after the copy-in, all but one with a shard group of more than
+        # one: the loop that re-chunks Shard(dim != 0) gradients (`for i, (fsdp_param, unsharded_grad) in
+        # enumerate(...)`, run whenever world_size > 1) leaves its variable on the last gradient, which lives
+        # until foreach_reduce returns (the root's: the output head's, vocab x hidden)
+        held = grads.pop() if grads and s.shard_size > 1 else None
         for buf in grads:
             g.free(COMPUTE, buf)
         existing = self.sharded_grads.get(u.name)  # from an earlier micro-batch
@@ -74,6 +79,8 @@ class GradientReduction:
                 g.free(RS, rs_out)
                 self.partial_reduce_outputs[u.name] = partial
             self.last_post_reduce_events[RS] = event
+            if held is not None:
+                g.free(COMPUTE, held)
             return
         if partial is not None:  # reduce_output += partial_reduce_output
             event = g.add("copy", RS, f"{u.name} add partial reduce output", deps=(event,),
@@ -111,6 +118,8 @@ class GradientReduction:
         if s.offload_params:  # CPUOffloadPolicy: the sharded gradient goes to the host (offload.py)
             event = self.offload_sharded_grads(u, post_reduce_stream, event)
         self.last_post_reduce_events[post_reduce_stream] = event
+        if held is not None:
+            g.free(COMPUTE, held)
 
 
 def gradient_divide_factors(reduce_dtype: str, data_parallel_size: int) -> tuple[float | None, float | None]:

@@ -81,6 +81,8 @@ SETTER_CASES = [
     ("fp16-params-fp16-reduce-small-batch", {"vocab": 512}, SMALL | {"param_dtype": "fp16", "reduce_dtype": "fp16"}),
     ("reduce-dtype-bf16", {}, {"reduce_dtype": "bf16"}),
     ("reduce-dtype-bf16-small-batch", {"vocab": 512}, SMALL | {"reduce_dtype": "bf16"}),
+    # the peak at the root's reduce-scatter, its output head's gradient (vocab x hidden) kept by foreach_reduce
+    ("root-keeps-head-grad-w2-vocab8192-small-batch", {"vocab": 8192}, SMALL | {"world_size": 2}),
 ]
 
 

@@ -118,10 +118,11 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ReferenceConfig) -> None:
         super().__init__()
-        self.attention_norm = _make_norm(cfg)
+        # torchtitan's registration order (the FSDP unit's parameter order: the builder's block_params)
         self.attention = Attention(cfg)
-        self.ffn_norm = _make_norm(cfg)
         self.feed_forward = FeedForward(cfg)
+        self.attention_norm = _make_norm(cfg)
+        self.ffn_norm = _make_norm(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x))

@@ -63,10 +63,9 @@ class MoESpec:
 
 
 def moe_block_params(d: TransformerDims, spec: MoESpec, prefix: str) -> list[Param]:
-    """The dense block's norms and attention, then the router, the experts and the shared expert."""
+    """The dense block's attention and norms around the router, the experts and the shared expert."""
     h, ff = d.hidden, f"{prefix}.feed_forward"
-    params = [p for p in block_params(d, prefix) if not p.name.startswith(f"{ff}.")]
-    params += _linear(f"{ff}.router", h, spec.experts, False)
+    params = _linear(f"{ff}.router", h, spec.experts, False)
     for j in range(spec.experts):
         e = f"{ff}.experts.{j}"
         params += _linear(f"{e}.w1", h, spec.expert_ffn, False) + _linear(f"{e}.w3", h, spec.expert_ffn, False)
@@ -76,7 +75,7 @@ def moe_block_params(d: TransformerDims, spec: MoESpec, prefix: str) -> list[Par
         params += _linear(f"{s}.w1", h, spec.shared_ffn, False) + _linear(f"{s}.w3", h, spec.shared_ffn, False)
         params += _linear(f"{s}.w2", spec.shared_ffn, h, False)
         params += _linear(f"{ff}.shared_expert_gate", h, 1, False)
-    return params
+    return block_params(d, prefix, ffn=params)
 
 
 def expert_tokens(spec: MoESpec, tok: int) -> list[int]:

@@ -106,20 +106,24 @@ def _norm(name: str, d: TransformerDims) -> list[Param]:
     return params
 
 
-def block_params(d: TransformerDims, prefix: str) -> list[Param]:
+def block_params(d: TransformerDims, prefix: str, ffn: list[Param] | None = None) -> list[Param]:
+    """A block's parameters in the order its module registers them (torchtitan's TransformerBlock:
+    attention, feed_forward, attention_norm, ffn_norm; HF's decoder layers likewise end on their two norms),
+    `ffn` in place of the dense MLP's. The order is the FSDP unit's: its last parameter's gradient is the
+    one foreach_reduce keeps to its end (schedule/fsdp2_reduce.py)."""
     h, qd, kvd = d.hidden, d.q_dim, d.kv * d.head_dim
-    params = _norm(f"{prefix}.attention_norm", d)
+    params = []
     for proj, out in (("wq", qd), ("wk", kvd), ("wv", kvd)):
         params += _linear(f"{prefix}.attention.{proj}", h, out, d.bias)
     params += _linear(f"{prefix}.attention.wo", qd, h, d.bias)
-    params += _norm(f"{prefix}.ffn_norm", d)
-    ff = f"{prefix}.feed_forward"
-    if d.mlp == "swiglu":
-        params += _linear(f"{ff}.w1", h, d.ffn, d.bias) + _linear(f"{ff}.w3", h, d.ffn, d.bias)
-    else:
-        params += _linear(f"{ff}.w1", h, d.ffn, d.bias)
-    params += _linear(f"{ff}.w2", d.ffn, h, d.bias)
-    return params
+    if ffn is None:
+        ff = f"{prefix}.feed_forward"
+        if d.mlp == "swiglu":
+            ffn = _linear(f"{ff}.w1", h, d.ffn, d.bias) + _linear(f"{ff}.w3", h, d.ffn, d.bias)
+        else:
+            ffn = _linear(f"{ff}.w1", h, d.ffn, d.bias)
+        ffn += _linear(f"{ff}.w2", d.ffn, h, d.bias)
+    return params + ffn + _norm(f"{prefix}.attention_norm", d) + _norm(f"{prefix}.ffn_norm", d)
 
 
 @dataclass(frozen=True, slots=True)
