@@ -54,15 +54,20 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
     def forward_compute(self, m: Module, prev: Module | None, *, recompute: bool = False) -> None:
         """A module's forward, or (`recompute`) a checkpointed block's rerun at the start of its backward.
 
-        A checkpointed block's forward creates every tensor it would save, then keeps only its input and
-        what its policy caches (`workload/checkpointing.py`); the recompute re-creates the rest."""
+        A checkpointed block's forward keeps only its input and what its policy caches
+        (`workload/checkpointing.py`); the recompute re-creates the rest. Without a cache it holds what its
+        code refers to (`Module.nosave_fwd_peak_bytes`, the output allocated on top of the transient);
+        with one, or where that is not known, at most every tensor it would save and its transients."""
         g = self.g
         ck = self.checkpoints.get(m.name)
         shared = self._scaled(ck.shared_bytes) if ck is not None else 0
         saved = self._scaled(m.saved_bytes) - shared
         temp = self._scaled(m.fwd_temp_bytes)
         if ck is not None and not recompute:
-            temp += saved
+            if m.nosave_fwd_peak_bytes and not ck.cache_bytes:
+                temp = self._scaled(m.nosave_fwd_peak_bytes - m.output_bytes)
+            else:
+                temp += saved
             if ck.cache_bytes:
                 self.cached[m.name] = g.alloc(COMPUTE, f"{m.name} saved by the checkpoint policy", "activations",
                                               self._scaled(ck.cache_bytes))

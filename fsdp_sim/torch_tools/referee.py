@@ -83,6 +83,9 @@ SETTER_CASES = [
     ("reduce-dtype-bf16-small-batch", {"vocab": 512}, SMALL | {"reduce_dtype": "bf16"}),
     # the peak at the root's reduce-scatter, its output head's gradient (vocab x hidden) kept by foreach_reduce
     ("root-keeps-head-grad-w2-vocab8192-small-batch", {"vocab": 8192}, SMALL | {"world_size": 2}),
+    # the peak in a checkpointed block's forward: whole-model parameters, a vocabulary too small for the loss
+    ("whole-model-ac-full-forward-peak", {"hidden": 128, "heads": 4, "kv_heads": 4, "ffn_hidden": 256, "layers": 5, "vocab": 256},
+     {"wrap": "whole_model", "activation_checkpointing": "full"}),
 ]
 
 

@@ -16,6 +16,9 @@ Activation accounting convention (one owner per tensor, so nothing is counted tw
   beyond its end state (its input's gradient and those gradients; its saved tensors released) -- a
   block's attention_norm backward, which with few tokens is the block's peak. The schedule adds it on top
   of the gradients the run actually computes (none for a frozen weight).
+- `nosave_fwd_peak_bytes`: the forward's peak above its input when autograd saves nothing, its output
+  counted from its creation: what a fully checkpointed block holds at most in its forward (0: unknown,
+  and then its saved tensors and transients bound it).
 - In backward the gradient w.r.t. the module's input (same size as the input) is allocated; the gradient
   w.r.t. its output (allocated by the next module's backward) is freed when this module's backward ends.
 Sizes are for `activation_dtype`; a scenario with another compute dtype scales them.
@@ -134,6 +137,7 @@ class Module:
     fwd_temp_bytes: int = 0
     bwd_temp_bytes: int = 0
     bwd_tail_bytes: int = 0
+    nosave_fwd_peak_bytes: int = 0
     output_bytes: int = 0
     saves_input: bool = True
     is_block: bool = False

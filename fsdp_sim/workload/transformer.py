@@ -194,6 +194,7 @@ class BlockActivations:
     bwd_temp: int
     saves_input: bool
     bwd_tail: int = 0  # attention_norm's moment above the block's end state (Module.bwd_tail_bytes)
+    nosave_peak: int = 0  # the forward's peak when autograd saves nothing (Module.nosave_fwd_peak_bytes)
 
 
 def block_activations(d: TransformerDims, b: int, s: int, p: int, norm_tokens: int | None = None) -> BlockActivations:
@@ -252,7 +253,26 @@ def block_activations(d: TransformerDims, b: int, s: int, p: int, norm_tokens: i
     ffn_norm = norm_tok * h * p + norm_backward_moment(d, norm_tok, p) + mlp_linears - mlp_saved - bsh
     tail = norm_tok * h * p + norm_transients(d, norm_tok, p).bwd + norm_saves(d, norm_tok, p).extra
     return BlockActivations(saved=saved, fwd_temp=fwd_temp, bwd_temp=max(mlp, attention, ffn_norm),
-                            saves_input=norm.keeps_input, bwd_tail=tail)
+                            saves_input=norm.keeps_input, bwd_tail=tail, nosave_peak=_nosave_peak(d, tok, p, scores))
+
+
+def _nosave_peak(d: TransformerDims, tok: int, p: int, scores: int) -> int:
+    """A block's forward peak above its input when autograd saves nothing (a fully checkpointed block: the
+    non-reentrant checkpoint drops every tensor autograd would save), its output counted from its
+    creation: each tensor lives while the block's code refers to it (torchtitan's and the referee's
+    blocks). Attention's moment is wo's: attention_norm's output and q, k, v (expanded) and SDPA's output
+    are locals of Attention.forward until it returns; with math attention the scores and their softmax
+    coexist. The MLP's: SwiGLU's product (the residual h, ffn_norm's output, silu(w1), w3 and the
+    product; w1's output dropped once silu has run), GELU's activation (h, the norm's output, w1's output,
+    its GELU); then w2's (the product and its output). Last the block's output (h, the MLP's output)."""
+    bsh, bsq, bsf = tok * d.hidden * p, tok * d.q_dim * p, tok * d.ffn * p
+    norm = norm_transients(d, tok, p).fwd + norm_saves(d, tok, p).extra  # stats and upcasts die with the op
+    dropout = bsh + tok * d.hidden if d.dropout else 0  # a dropout's output and its one-byte mask
+    attention = 2 * bsh + 4 * bsq
+    if d.attention != "sdpa":
+        attention = max(attention, bsh + 3 * bsq + 2 * scores + (scores + scores // p if d.dropout else 0))
+    mlp = 2 * bsh + (3 if d.mlp == "swiglu" else 2) * bsf
+    return max(bsh + norm, attention, 2 * bsh + dropout, 2 * bsh + norm, mlp, 3 * bsh + bsf, 3 * bsh + dropout)
 
 
 @lru_cache(maxsize=256)  # a sweep's points share shapes (a 10,000-point grid has 125); a Workload is frozen
@@ -283,8 +303,8 @@ def build_transformer(d: TransformerDims, *, micro_batch: int, seq_len: int, act
         modules.append(Module(
             f"layers.{i}", "block", params, fwd_flops=fwd, bwd_flops=bwd,
             fwd_hbm_bytes=2 * (act.saved + bsh), saved_bytes=act.saved, fwd_temp_bytes=act.fwd_temp,
-            bwd_temp_bytes=act.bwd_temp, bwd_tail_bytes=act.bwd_tail, output_bytes=bsh, saves_input=act.saves_input,
-            is_block=True, kernels=kernels))
+            bwd_temp_bytes=act.bwd_temp, bwd_tail_bytes=act.bwd_tail, nosave_fwd_peak_bytes=act.nosave_peak,
+            output_bytes=bsh, saves_input=act.saves_input, is_block=True, kernels=kernels))
 
     final_norm = norm_saves(d, tok, p)
     modules.append(Module("norm", "norm", tuple(_norm("norm", d)), fwd_hbm_bytes=2 * bsh,

@@ -163,8 +163,8 @@ def vision_tower(v: VisionDims, *, prefix: str, b: int, p: int) -> list[Module]:
         modules.append(Module(
             f"layers.{i}", "block", tuple(params), **flops,
             fwd_hbm_bytes=2 * (act.saved + bsh), saved_bytes=act.saved, fwd_temp_bytes=act.fwd_temp,
-            bwd_temp_bytes=act.bwd_temp, bwd_tail_bytes=act.bwd_tail, output_bytes=bsh, saves_input=act.saves_input,
-            is_block=True))
+            bwd_temp_bytes=act.bwd_temp, bwd_tail_bytes=act.bwd_tail, nosave_fwd_peak_bytes=act.nosave_peak,
+            output_bytes=bsh, saves_input=act.saves_input, is_block=True))
     return prefixed(modules, prefix)
 
 
