@@ -147,3 +147,18 @@ FROZEN_CASES = [c for c in _CASES if c[0].startswith("frozen")]
 def test_frozen_peak_agrees_with_fsdp_mem_tracker(case_id, model, run, prep):
     from tests.test_lora import check_referee_case
     check_referee_case(model, run, prep)
+
+
+@pytest.mark.parametrize("frozen, tail", [([], True), (["pos_embeddings"], True), (["tok_embeddings"], False)])
+def test_the_tied_embeddings_last_moment_needs_its_tied_weight_trained(frozen, tail):
+    """A tied embedding's backward ends with its gradient joining the head's, out of place (two more
+    vocab x hidden tensors a moment, `transformer.build_transformer`); with the tied weight frozen neither
+    gradient exists, even when the position embedding beside it still trains."""
+    from fsdp_sim.workload import TransformerDims, build_transformer
+    from fsdp_sim.workload.frozen import freeze
+
+    dims = TransformerDims(hidden=64, layers=2, heads=4, kv_heads=2, vocab=1000, tie_embeddings=True,
+                           learned_pos=True, max_seq=128)
+    wl = freeze(build_transformer(dims, micro_batch=1, seq_len=64, act_dtype="bf16", name="tied"), frozen, "bf16")
+    embedding = wl.modules[0]
+    assert embedding.bwd_tail_bytes == (2 * 1000 * 64 * 2 - 64 * 64 * 2 if tail else 0)

@@ -83,6 +83,11 @@ SETTER_CASES = [
     ("reduce-dtype-bf16-small-batch", {"vocab": 512}, SMALL | {"reduce_dtype": "bf16"}),
     # the peak at the root's reduce-scatter, its output head's gradient (vocab x hidden) kept by foreach_reduce
     ("root-keeps-head-grad-w2-vocab8192-small-batch", {"vocab": 8192}, SMALL | {"world_size": 2}),
+    # the peak where the tied embedding's gradient joins the head's (autograd adds them out of place)
+    ("tied-learned-pos-every-3-blocks-w3-fp32", {"hidden": 32, "layers": 2, "heads": 4, "kv_heads": 4, "ffn_hidden": 64,
+                                                 "vocab": 1542, "tie_embeddings": True, "learned_pos": True},
+     {"world_size": 3, "batch": 1, "seq": 16, "wrap": "every_k_blocks", "blocks_per_unit": 3, "param_dtype": "fp32",
+      "reduce_dtype": None, "forward_prefetch": 1, "backward_prefetch": 0}),
     # the peak in a checkpointed block's forward: whole-model parameters, a vocabulary too small for the loss
     ("whole-model-ac-full-forward-peak", {"hidden": 128, "heads": 4, "kv_heads": 4, "ffn_hidden": 256, "layers": 5, "vocab": 256},
      {"wrap": "whole_model", "activation_checkpointing": "full"}),

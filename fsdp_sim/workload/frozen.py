@@ -71,6 +71,7 @@ def without_frozen_gradients(wl: Workload, reads_input: frozenset[str] = frozens
     trainable = {p.name: p.trainable for p in wl.params}
     p_act = itemsize(wl.activation_dtype)
     unfused = wl.meta.get("norm_impl") in ("composite", "hf_llama")  # transformer.norm_saves
+    tied = {n for m in wl.modules for n in m.tied_params}
     grad_flows = False
     modules = []
     for m in wl.modules:
@@ -99,6 +100,8 @@ def without_frozen_gradients(wl: Workload, reads_input: frozenset[str] = frozens
             first = kernels[0] if kernels and kernels[0].kind == "norm_unfused" and unfused else None
             unkept = _norm_unkept(first, needs_dw[first.name], p_act, wl.meta["norm_impl"]) if first else 0
             tail = max(0, tail - unkept) if input_grad else 0
+        elif not any(trainable[q.name] for q in m.params if q.name in tied):
+            tail = 0  # an embedding's moment is its tied weight's two gradients meeting: none when frozen
         m = replace(m, kernels=kernels, saved_bytes=max(0, m.saved_bytes - dropped), bwd_tail_bytes=tail)
         adapter_reads = any(n.startswith(r) for r in reads_input for n in names)
         if m.kind == "head" and not any(needs_dw.values()) and not adapter_reads:

@@ -291,8 +291,12 @@ def build_transformer(d: TransformerDims, *, micro_batch: int, seq_len: int, act
     if d.learned_pos:
         emb.append(Param("pos_embeddings.weight", (d.max_seq, h)))
     positions = 8 * s if d.learned_pos else 0  # int64 position ids, kept by the position embedding
+    # a tied weight's two gradients meet in autograd's input buffer: the head's waits there from the start of
+    # backward, the embedding's joins it out of place (old + new -> their sum, torch 2.13 on the CPU, fake
+    # or real tensors), once the embedding's output gradient is released
+    tied_sum = max(0, 2 * v * h * p - bsh) if d.tie_embeddings else 0
     modules.append(Module("tok_embeddings", "embedding", tuple(emb), fwd_hbm_bytes=2 * bsh,
-                          saved_bytes=positions, output_bytes=bsh, saves_input=False,
+                          saved_bytes=positions, bwd_tail_bytes=tied_sum, output_bytes=bsh, saves_input=False,
                           kernels=embedding_kernels(tok, h, v, p)))
 
     act = block_activations(d, b, s, p)
