@@ -38,6 +38,8 @@ CASES = [
     ("hybrid-shard-zero2-2x4-small-batch", {"vocab": 512},
      SMALL | {"world_size": 8, "shard_size": 4, "sharding_strategy": "_HYBRID_SHARD_ZERO2"}),
     ("bf16-reduce-no-limiter-w2", {"vocab": 1003}, SMALL | {"world_size": 2, "reduce_dtype": None, "limit_all_gathers": False}),
+    ("fp16-params-fp16-reduce-shard-grad-op-small-batch", {"vocab": 512},
+     SMALL | {"param_dtype": "fp16", "reduce_dtype": None, "sharding_strategy": "SHARD_GRAD_OP"}),
 ]
 
 

@@ -117,7 +117,9 @@ def run_fsdp1_mem_tracker(cfg: ReferenceConfig, *, world_size: int, batch: int, 
         raise ValueError(f"sharding_strategy in {STRATEGIES}, backward_prefetch in {PREFETCH}")
     if iterations < 2:
         raise ValueError("iterations must be >= 2 (the first iteration is not compared)")
-    dtype_of = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}
+    dtype_of = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}
+    if param_dtype not in dtype_of or reduce_dtype not in dtype_of:
+        raise ValueError(f"param_dtype / reduce_dtype must be 'fp32', 'bf16' or 'fp16', got {param_dtype!r} / {reduce_dtype!r}")
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
