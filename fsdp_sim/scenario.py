@@ -393,7 +393,11 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     mp = _expect("fsdp.mixed_precision", fsdp.get("mixed_precision"))
     reject_unknown_keys("fsdp.mixed_precision", mp, {"param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"})
     dtypes = tuple(d for d in DTYPE_BYTES if d in ("fp32", "bf16", "fp16"))
-    param_dtype = _get("fsdp.mixed_precision", mp, "param_dtype", str, "bf16", choices=dtypes)
+    storage_dtype = _get("training", training, "param_storage_dtype", str, "fp32", choices=("fp32", "bf16", "fp16"))
+    # null: MixedPrecisionPolicy(param_dtype=None), nothing cast, compute in the storage dtype; a dtype is the
+    # policy's, to which FSDPParam casts every floating parameter stored in another (a frozen base too)
+    cast_params = not ("param_dtype" in mp and mp["param_dtype"] is None)
+    param_dtype = _get("fsdp.mixed_precision", mp, "param_dtype", str, "bf16", choices=dtypes) if cast_params else storage_dtype
     # MixedPrecisionPolicy's default: no reduce_dtype, the gradients are reduced in their own dtype
     reduce_dtype = _get("fsdp.mixed_precision", mp, "reduce_dtype", str, None, choices=dtypes)
     cast_forward_inputs = _get("fsdp.mixed_precision", mp, "cast_forward_inputs", bool, True)
@@ -435,8 +439,7 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
                             ac_mode=ac, ac_every=ac_every, tp=tp.size, sequence_parallel=tp.sequence_parallel,
                             float8_weights=float8_weights, float8_all_gather=float8.fsdp_float8_all_gather,
                             float8_precompute_scale=float8.precompute_scale,
-                            storage_dtype=_get("training", training, "param_storage_dtype", str, "fp32",
-                                               choices=("fp32", "bf16", "fp16")),
+                            storage_dtype=storage_dtype, cast_params=cast_params,
                             **offload_keys(fsdp, training, gpu, shard_size, version))
     if fsdp1:
         settings = fsdp1_settings(settings, fsdp1)

@@ -45,16 +45,22 @@ def test_frozen_embedding_has_no_gradient_state_or_reduce_scatter():
 
 
 def test_a_mixed_dtype_unit_all_gathers_the_sum_of_its_bytes():
-    """No MixedPrecisionPolicy dtype (fp32 compute): a frozen bf16 weight beside fp32 ones is gathered as
-    stored, the buffer one uint8 view of all inputs (`_get_all_gather_input_metadatas`), no cast copy-in."""
+    """No MixedPrecisionPolicy dtype (`param_dtype: null`, fp32 compute): a frozen bf16 weight beside fp32
+    ones is gathered as stored, the buffer one uint8 view of all inputs (`_get_all_gather_input_metadatas`),
+    no cast copy-in. An explicit fp32 policy casts the bf16 weight up (`init_dtype_attrs` compares dtypes,
+    not sizes): everything gathered in fp32, the frozen weight through the copy-in temporary."""
     world = 4
-    policy = {"mixed_precision": {"param_dtype": "fp32"}}
-    r = _run(TINY | {"frozen": ["layers.0.attention.wq"]}, fsdp=policy, world=world)
+    r = _run(TINY | {"frozen": ["layers.0.attention.wq"]}, fsdp={"mixed_precision": {"param_dtype": None}}, world=world)
     unit = next(u for u in r.scenario.units if u.name == "layers.0")
     expected = sum(p.padded_shard_numel(world) * (2 if not p.trainable else 4) for p in unit.params) * world
     gather = next(op for op in r.graph.ops if op.kind == "all_gather" and op.unit == "layers.0")
     assert gather.comm_bytes == expected
     assert not [b for b in _buffers(r, "layers.0", "temporaries") if "copy-in cast" in b.name]
+    r = _run(TINY | {"frozen": ["layers.0.attention.wq"]}, fsdp={"mixed_precision": {"param_dtype": "fp32"}}, world=world)
+    gather = next(op for op in r.graph.ops if op.kind == "all_gather" and op.unit == "layers.0")
+    assert gather.comm_bytes == sum(p.padded_shard_numel(world) * 4 for p in unit.params) * world
+    (cast,) = [b for b in _buffers(r, "layers.0", "temporaries") if "copy-in cast" in b.name][:1]
+    assert cast.nbytes == sum(p.padded_shard_numel(world) * 4 for p in unit.params if not p.trainable)
     # with a bf16 policy the frozen bf16 weight is not cast; the fp32 ones are, through the flat temporary
     r = _run(TINY | {"frozen": ["layers.0.attention.wq"]}, world=world)
     (cast,) = [b for b in _buffers(r, "layers.0", "temporaries") if "copy-in cast" in b.name][:1]

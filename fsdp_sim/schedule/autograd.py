@@ -108,7 +108,7 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
         if m.name in self.cached:
             g.free(COMPUTE, self.cached.pop(m.name))
         grad_input = None
-        if prev is not None:
+        if prev is not None and prev.records_graph:  # an input from the frozen prefix needs no gradient
             grad_input = g.alloc(COMPUTE, f"{m.name} grad input", "temporaries", self._scaled(prev.output_bytes))
         grads = self.unsharded_grads
         for p in m.params + tuple(self.params_by_name[n] for n in m.tied_params) if m.tied_params else m.params:

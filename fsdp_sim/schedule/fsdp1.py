@@ -221,7 +221,8 @@ class FSDP1Runtime(FlatGradientReduction, FSDPWalk):
         post-backward stream (and the all-reduce stream under HSDP) when gradients were synchronised;
         every handle forgets its prefetch and pre-backward state, the execution order its post-forward
         order. Returns the op the compute stream waited, for the optimizer step."""
-        self.post_backward(self.root)
+        for u in (self.root, *self.unreached):  # then the frozen prefix's handles: `_catch_all_reshard`
+            self.post_backward(u)
         self.g.unit = self.root.name
         self.prefetched.clear()
         self.needs_pre_backward_unshard.clear()

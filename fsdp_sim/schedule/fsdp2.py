@@ -195,14 +195,16 @@ class FSDP2Runtime(FSDPWalk, GradientReduction, Float8AllGather):
     def root_post_backward_final_callback(self) -> Op | None:
         """ST:_root_post_backward_final_callback, queued on the autograd engine by the first pre-backward.
 
-        The groups autograd never reached run `post_backward` now: the root's, whose inputs (token
-        ids) need no gradient. Then every group's `finalize_backward` (root first, `all_states`
+        The groups autograd never reached run `post_backward` now, in `all_states` order: the root's,
+        whose inputs (token ids) need no gradient, then those of the frozen prefix (FSDPWalk.unreached):
+        no gradient, a reshard where still unsharded (a prefetched or unresharded group). Then every group's `finalize_backward` (root first, `all_states`
         order), which also forgets the post-forward order (`is_last_backward`: every backward, so a
         micro-batch prefetches only within itself), then the compute stream waits the retained
         reduce-scatter event and drops the last input. Returns the last op the compute stream
         waited, for the optimizer step to follow.
         """
-        self.post_backward(self.root)
+        for u in (self.root, *self.unreached):
+            self.post_backward(u)
         self.g.unit = self.root.name
         waits = self.finalize_backward()
         self.post_forward_order.clear()
@@ -229,6 +231,12 @@ class FSDP2Runtime(FSDPWalk, GradientReduction, Float8AllGather):
         for buf in self.all_reduce_states.values():
             self.g.free(COMPUTE, buf, deps=waits)
         self.all_reduce_states.clear()
+        # "a mistargeted unshard without a corresponding wait": a group prefetched in backward that autograd
+        # never reached (the frozen prefix); the compute stream waits its all-gather and drops the output
+        for pending in self.pending_all_gather.values():
+            if pending is not None:
+                self.g.free(COMPUTE, pending[0], deps=(pending[1],))
+        self.pending_all_gather.clear()
         return waits
 
     # ---- gradient accumulation without sync (set_requires_gradient_sync(False)) ---------------

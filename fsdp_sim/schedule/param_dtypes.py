@@ -5,7 +5,9 @@ frozen ones stored in their own dtype (a bf16 base under fp32 LoRA adapters, a u
 2.13's `_fully_shard` handles them per parameter:
 - `FSDPParam.init_dtype_attrs` clamps the policy's `param_dtype` to None for a parameter already in it and
   for a non-floating one (a packed uint8 base is never cast); a frozen floating parameter in another dtype is
-  cast like any other (`MixedPrecisionPolicy` does not look at `requires_grad`).
+  cast like any other, up as well as down (`MixedPrecisionPolicy` does not look at `requires_grad`: a bf16
+  base under `param_dtype=torch.float32` is gathered in fp32). A policy without a param_dtype
+  (`fsdp.mixed_precision.param_dtype: null`) casts nothing.
 - `_get_param_all_gather_inputs` copies the parameters that still have a `param_dtype` into one flat
   temporary of that dtype (`flat_foreach_copy_input`: the copy-in cast); the others are gathered as stored.
 - `_get_all_gather_input_metadatas` gives the all-gather buffer the inputs' dtype, or uint8 when they differ
@@ -35,7 +37,7 @@ def stored_itemsize(p: Param, s: FSDPSettings) -> int:
 
 def casts(p: Param, s: FSDPSettings) -> bool:
     """Whether the all-gather copy-in casts `p` (its `FSDPParam.param_dtype` is not None)."""
-    if p.dtype in NON_FLOATING or s.param_dtype == s.storage_dtype:  # no policy dtype: nothing is cast
+    if p.dtype in NON_FLOATING or not s.cast_params:  # param_dtype=None: nothing is cast
         return False
     stored = s.storage_dtype if p.trainable else p.dtype
     return stored != s.param_dtype
@@ -76,9 +78,9 @@ def unit_shards(u: Unit, s: FSDPSettings) -> UnitShards:
     each parameter's shape and dtypes was a fifth of a point's graph build.
 
     The key is complete: the sizes read only the parameters (a Param's hash and equality cover all its
-    fields: name, shape, dtype, trainable), the shard group's size, and `storage_dtype` and `param_dtype`
-    (`storage_bytes` and `param_bytes` are their item sizes)."""
-    key = (u.params, s.shard_size, s.storage_dtype, s.param_dtype)
+    fields: name, shape, dtype, trainable), the shard group's size, `storage_dtype` and `param_dtype`
+    (`storage_bytes` and `param_bytes` are their item sizes) and whether the policy casts (`cast_params`)."""
+    key = (u.params, s.shard_size, s.storage_dtype, s.param_dtype, s.cast_params)
     shards = _UNIT_SHARDS.get(key)
     if shards is None:
         if len(_UNIT_SHARDS) >= _UNIT_SHARDS_LIMIT:

@@ -116,6 +116,8 @@ class PlainRuntime(AutogradStep):
         modules = self.wl.modules
         for i in range(len(modules) - 1, -1, -1):
             m = modules[i]
+            if not m.records_graph:  # the frozen prefix: autograd recorded nothing from here back
+                break
             g.unit = m.name
             if self.autocast and m.name in self.checkpoints:
                 self._cast(m)  # the recompute casts again

@@ -52,6 +52,7 @@ class FSDPSettings:
     unit_output_dtype: tuple[tuple[str, str], ...] = ()
     cast_forward_inputs: bool = True
     storage_dtype: str = "fp32"
+    cast_params: bool = True  # the policy has a param_dtype (False: param_dtype=None, `param_dtype` is the storage's)
     optimizer: str = "adamw"
     optimizer_impl: str = "foreach"  # foreach | for_loop | fused (torch.optim's foreach= / fused=)
     momentum: bool = True  # SGD only: a momentum buffer per parameter

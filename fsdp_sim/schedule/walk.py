@@ -43,6 +43,10 @@ class FSDPWalk(AutogradStep):
         # a module's output cast away from the compute dtype, by module: only FSDP2's output_dtype casts
         self.output_dtypes: dict[str, str] = {}
         self.reduce_grads = True  # this micro-batch reduces (not set_requires_gradient_sync(False), not no_sync)
+        # units whose inputs need no gradient (their first module records no graph): autograd never reaches
+        # their post-backward hook, which the root's final callback runs instead, after the root's
+        records = {m.name: m.records_graph for m in workload.modules}
+        self.unreached = [u for u in self.inner if not records[self.first[u.name]]]
         self.inputs: Buffer | None = None  # the current batch: replaced by the next, kept through the step
 
     # ---- the step -------------------------------------------------------------------------
@@ -90,6 +94,8 @@ class FSDPWalk(AutogradStep):
         modules = list(self.wl.modules)
         for i in range(len(modules) - 1, -1, -1):
             m = modules[i]
+            if not m.records_graph:  # autograd recorded nothing from here back (frozen.py: a prefix of the model)
+                break
             unit = self.unit_of.get(m.name)
             if m.name == self.model_last:
                 self.pre_backward(self.root)

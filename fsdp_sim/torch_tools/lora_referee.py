@@ -46,15 +46,20 @@ def prepare(model: nn.Module, *, targets: tuple[str, ...] = (), rank: int = 8, a
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear) and ("all-linear" in targets or _OURS.get(name) in targets):
                     setattr(parent, name, LoraLinear(child, rank, alpha, dropout))
+    originals = dict(model.named_parameters())  # kept alive, so their ids stay theirs during the swap
+    first_name = {id(param): full for full, param in reversed(originals.items())}  # a tied one: its first name
+    replaced: dict[int, nn.Parameter] = {}  # one frozen copy per tensor: a tied weight stays tied
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
-            full = next(n for n, p in model.named_parameters() if p is param)
+            full = first_name[id(param)]
             if targets:
                 is_frozen = ".lora_" not in full
             else:
                 is_frozen = any(full == f or full.startswith(f + ".") for f in frozen)
             if is_frozen:
-                setattr(module, name, nn.Parameter(param.detach().to(_DTYPE[frozen_dtype]), requires_grad=False))
+                if id(param) not in replaced:
+                    replaced[id(param)] = nn.Parameter(param.detach().to(_DTYPE[frozen_dtype]), requires_grad=False)
+                setattr(module, name, replaced[id(param)])
 
 
 def scenario_keys(*, targets=(), rank=8, alpha=16.0, dropout=0.0, frozen=(), frozen_dtype="bf16") -> dict:
@@ -81,6 +86,16 @@ LORA_CASES = [
     ("frozen-embedding", {}, {}, {"frozen": ("tok_embeddings",)}),
     ("frozen-embedding-fp32", {}, {}, {"frozen": ("tok_embeddings",), "frozen_dtype": "fp32"}),
     ("frozen-attention-small-batch", {"vocab": 512}, SMALL, {"frozen": ("tok_embeddings", "layers.0", "layers.1")}),
+    # an explicit fp32 policy casts the frozen bf16 weights up (FSDPParam.init_dtype_attrs)
+    ("frozen-output-bf16-fp32-policy-small-batch", {"vocab": 4096}, SMALL | {"param_dtype": "fp32"}, {"frozen": ("output",)}),
+    ("lora-all-linear-fp32-policy-small-batch", {"vocab": 512}, SMALL | {"param_dtype": "fp32"},
+     {"targets": ("all-linear",), "rank": 8}),
+    # a tied weight frozen once, for both its modules (the embedding and the head)
+    ("frozen-tied-embedding", {"tie_embeddings": True}, {}, {"frozen": ("tok_embeddings",)}),
+    ("lora-qv-tied", {"tie_embeddings": True}, {}, {"targets": ("q_proj", "v_proj"), "rank": 8}),
+    # the blocks before the first trainable parameter run without a graph: their forward holds its live set
+    ("frozen-first-block-forward-peak", {"hidden": 512, "layers": 2, "vocab": 256, "ffn_hidden": 1024},
+     {"world_size": 1, "seq": 256}, {"frozen": ("tok_embeddings", "layers.0")}),
 ]
 
 

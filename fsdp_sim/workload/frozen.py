@@ -114,9 +114,13 @@ def without_frozen_gradients(wl: Workload, reads_input: frozenset[str] = frozens
 
 
 def _inert(m: Module) -> Module:
-    """A module that records no autograd graph: it saves nothing and runs no backward kernel."""
+    """A module that records no autograd graph: it saves nothing and runs no backward kernel. Its forward
+    holds what its code refers to, as a checkpointed block's does (`Module.nosave_fwd_peak_bytes`; where
+    that is not known, at most what it would have saved and its transients)."""
     kernels = tuple(replace(k, weight_grad=False, input_grad=False, bwd_bytes=0.0, bwd_launches=0) for k in m.kernels)
-    return replace(m, kernels=kernels, saved_bytes=0, saves_input=False, bwd_temp_bytes=0, bwd_tail_bytes=0, bwd_flops=0.0)
+    temp = m.nosave_fwd_peak_bytes - m.output_bytes if m.nosave_fwd_peak_bytes else m.fwd_temp_bytes + m.saved_bytes
+    return replace(m, kernels=kernels, saved_bytes=0, fwd_temp_bytes=temp, saves_input=False, bwd_temp_bytes=0,
+                   bwd_tail_bytes=0, bwd_flops=0.0, records_graph=False)
 
 
 def _norm_unkept(k: Kernel, weight_grad: bool, p: int, impl: str) -> int:

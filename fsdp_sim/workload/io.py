@@ -29,7 +29,7 @@ _WORKLOAD_KEYS = {"name": "str", "modules": "modules", "activation_dtype": "dtyp
 _MODULE_KEYS = {"name": "str", "kind": "str", "params": "params", "tied_params": "names", "fwd_flops": "float",
                 "bwd_flops": "float", "fwd_hbm_bytes": "float", "saved_bytes": "int", "fwd_temp_bytes": "int",
                 "bwd_temp_bytes": "int", "bwd_tail_bytes": "int", "nosave_fwd_peak_bytes": "int", "output_bytes": "int", "saves_input": "bool", "is_block": "bool",
-                "in_model": "bool", "fwd_time_s": "time", "bwd_time_s": "time",
+                "in_model": "bool", "records_graph": "bool", "fwd_time_s": "time", "bwd_time_s": "time",
                 "kernels": "kernels"}
 _PARAM_KEYS = {"name": "str", "shape": "shape", "dtype": "dtype", "trainable": "bool"}
 _KERNEL_KEYS = {"name": "str", "kind": "kernel_kind", "shape": "shape", "bytes": "float", "bwd_bytes": "float",

@@ -19,6 +19,9 @@ Activation accounting convention (one owner per tensor, so nothing is counted tw
 - `nosave_fwd_peak_bytes`: the forward's peak above its input when autograd saves nothing, its output
   counted from its creation: what a fully checkpointed block holds at most in its forward (0: unknown,
   and then its saved tensors and transients bound it).
+- `records_graph`: False for a module before the model's first trainable parameter (`frozen.py`): no input
+  or parameter of it requires grad, so autograd records nothing and its backward never runs (no
+  gradient w.r.t. its output reaches it, its unit's backward hooks do not fire).
 - In backward the gradient w.r.t. the module's input (same size as the input) is allocated; the gradient
   w.r.t. its output (allocated by the next module's backward) is freed when this module's backward ends.
 Sizes are for `activation_dtype`; a scenario with another compute dtype scales them.
@@ -142,6 +145,7 @@ class Module:
     saves_input: bool = True
     is_block: bool = False
     in_model: bool = True
+    records_graph: bool = True
     fwd_time_s: float | None = None
     bwd_time_s: float | None = None
     kernels: tuple[Kernel, ...] = ()
