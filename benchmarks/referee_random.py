@@ -9,17 +9,21 @@ runs the tracker (CPU, fake tensors, ~3 s a case) and the simulator on each, and
 and where the simulated peak is, then the distribution. A case the harness cannot build (torchtitan's wrap
 with tied or learned embeddings) is skipped. `fsdp1` draws FSDP1 jobs instead (MemTracker,
 `FullyShardedDataParallel` with the transformer auto-wrap policy: every sharding strategy, hybrid shard
-sizes, backward prefetch, forward prefetch, the rate limiter, each dtype). Needs torch
-(`pip install -e '.[torch]'`).
-Run: python benchmarks/referee_random.py [N=40] [SEED=0] [fsdp2 | fsdp1]
+sizes, backward prefetch, forward prefetch, the rate limiter, each dtype); `lora` FSDP2 jobs with peft's
+adapters on random targets, ranks and dropout over a base frozen in bf16 / fp16 / fp32, or random
+parameters frozen (`lora_referee.py`). Needs torch (`pip install -e '.[torch]'`).
+Run: python benchmarks/referee_random.py [N=40] [SEED=0] [fsdp2 | fsdp1 | lora]
 """
 
 from __future__ import annotations
 
 import random
 import sys
+from functools import partial
 
 from fsdp_sim.torch_tools.memtracker import run_fsdp_mem_tracker
+from fsdp_sim.errors import ScenarioError
+from fsdp_sim.torch_tools.lora_referee import prepare, scenario_keys
 from fsdp_sim.torch_tools.memtracker_fsdp1 import run_fsdp1_mem_tracker, simulate_fsdp1_reference
 from fsdp_sim.torch_tools.reference_model import ReferenceConfig
 from fsdp_sim.torch_tools.referee import simulate_reference
@@ -61,25 +65,62 @@ def draw_fsdp1(rng: random.Random) -> tuple[dict, dict]:
     return model, run
 
 
+PEFT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def draw_lora(rng: random.Random) -> tuple[dict, dict, dict]:
+    """`draw`'s pair (no forward prefetch: the harness's LoRA runs take the default) and what `prepare`
+    does to the model: adapters (a GELU MLP has no up_proj) or frozen parameters."""
+    model, run = draw(rng)
+    run.pop("forward_prefetch")
+    if rng.random() < 0.7:
+        names = [t for t in PEFT_TARGETS if model["mlp"] == "swiglu" or t != "up_proj"]
+        targets = ("all-linear",) if rng.random() < 0.3 else tuple(rng.sample(names, rng.randint(1, 4)))
+        prep = dict(targets=targets, rank=rng.choice([1, 4, 8, 16, 32]), dropout=rng.choice([0.0, 0.0, 0.1]),
+                    frozen_dtype=rng.choice(["bf16", "fp32", "fp16"]))
+    else:
+        prep = dict(frozen=tuple(rng.sample(["tok_embeddings", "layers.0", "layers.1", "norm", "output"], rng.randint(1, 2))),
+                    frozen_dtype=rng.choice(["bf16", "fp32"]))
+    return model, run, prep
+
+
+def one(mode: str, rng: random.Random) -> tuple[dict, dict, dict, dict, str]:
+    """(the tracker's dict, the simulator's, the model, the settings, what was done to it) for one case."""
+    if mode == "fsdp1":
+        model, run = draw_fsdp1(rng)
+        cfg = ReferenceConfig(**model)
+        return run_fsdp1_mem_tracker(cfg, **run), simulate_fsdp1_reference(cfg, **run), model, run, ""
+    if mode == "lora":
+        model, run, prep = draw_lora(rng)
+        cfg = ReferenceConfig(**model)
+        tracker = run_fsdp_mem_tracker(cfg, prepare_model=partial(prepare, **prep), **run)
+        return tracker, simulate_reference(cfg, model_keys=scenario_keys(**prep), **run), model, run, f"; {prep}"
+    model, run = draw(rng)
+    cfg = ReferenceConfig(**model)
+    return run_fsdp_mem_tracker(cfg, **run), simulate_reference(cfg, **run), model, run, ""
+
+
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 40
     rng = random.Random(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
-    fsdp1 = len(sys.argv) > 3 and sys.argv[3] == "fsdp1"
+    mode = sys.argv[3] if len(sys.argv) > 3 else "fsdp2"
+    if mode not in ("fsdp2", "fsdp1", "lora"):
+        sys.exit(f"referee_random.py: MODE must be fsdp2, fsdp1 or lora, got {mode!r}")
     errors = []
     print(f"{'case':>5}{'tracker peak B':>16}{'sim peak B':>14}{'error %':>10}  simulated peak at; model; settings")
     for i in range(n):
-        model, run = (draw_fsdp1 if fsdp1 else draw)(rng)
         try:
-            cfg = ReferenceConfig(**model)
-            tracker = (run_fsdp1_mem_tracker if fsdp1 else run_fsdp_mem_tracker)(cfg, **run)
+            tracker, sim, model, run, prep = one(mode, rng)
+        except ScenarioError as exc:  # the simulator refused a job the tracker ran
+            print(f"{i:>5}  fsdp-sim refused: {exc}")
+            continue
         except ValueError as exc:  # a combination the harness does not build
             print(f"{i:>5}  skipped: {exc}")
             continue
-        sim = (simulate_fsdp1_reference if fsdp1 else simulate_reference)(cfg, **run)
         error = 100 * (sim["peak_bytes"] - tracker["peak_bytes"]) / tracker["peak_bytes"]
         errors.append(error)
         print(f"{i:>5}{tracker['peak_bytes']:>16,}{sim['peak_bytes']:>14,}{error:>+10.3f}  {sim['phase']} / {sim['op']}; "
-              f"{model}; {run}", flush=True)
+              f"{model}; {run}{prep}", flush=True)
     magnitudes = sorted(abs(e) for e in errors)
     if magnitudes:
         print(f"{len(errors)} cases: |error| median {magnitudes[len(magnitudes) // 2]:.3f} %, "

@@ -21,13 +21,22 @@ _DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _OURS = {v: k for k, v in PEFT_NAMES.items()}  # wq -> q_proj
 
 
+class CudaDropout(nn.Dropout):
+    """peft's `nn.Dropout` as CUDA runs it: `F.dropout` dispatches to `native_dropout` there, which keeps a
+    bool mask for backward, where the CPU multiplies by a mask in the input's dtype (`cuda_kernels.py`).
+    The CPU has `native_dropout` too, so the referee runs the GPU's kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.native_dropout(x, self.p, self.training)[0]
+
+
 class LoraLinear(nn.Module):
     """peft's `lora.Linear`: the base Linear, A (r x in) and B (out x r) beside it."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
         super().__init__()
         self.base_layer = base
-        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.lora_dropout = CudaDropout(dropout) if dropout > 0 else nn.Identity()
         self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=base.weight.device)
         self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=base.weight.device)
         self.scaling = alpha / rank
