@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import random
 import sys
-from functools import partial
 
-from fsdp_sim.torch_tools.memtracker import run_fsdp_mem_tracker
 from fsdp_sim.errors import ScenarioError
-from fsdp_sim.torch_tools.lora_referee import prepare, scenario_keys
+from fsdp_sim.torch_tools.lora_referee import run_case
+from fsdp_sim.torch_tools.memtracker import run_fsdp_mem_tracker
 from fsdp_sim.torch_tools.memtracker_fsdp1 import run_fsdp1_mem_tracker, simulate_fsdp1_reference
 from fsdp_sim.torch_tools.reference_model import ReferenceConfig
 from fsdp_sim.torch_tools.referee import simulate_reference
@@ -92,9 +91,8 @@ def one(mode: str, rng: random.Random) -> tuple[dict, dict, dict, dict, str]:
         return run_fsdp1_mem_tracker(cfg, **run), simulate_fsdp1_reference(cfg, **run), model, run, ""
     if mode == "lora":
         model, run, prep = draw_lora(rng)
-        cfg = ReferenceConfig(**model)
-        tracker = run_fsdp_mem_tracker(cfg, prepare_model=partial(prepare, **prep), **run)
-        return tracker, simulate_reference(cfg, model_keys=scenario_keys(**prep), **run), model, run, f"; {prep}"
+        sim, tracker = run_case(model, run, prep)  # the drawn model and settings set every key it defaults
+        return tracker, sim, model, run, f"; {prep}"
     model, run = draw(rng)
     cfg = ReferenceConfig(**model)
     return run_fsdp_mem_tracker(cfg, **run), simulate_reference(cfg, **run), model, run, ""

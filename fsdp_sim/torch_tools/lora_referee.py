@@ -56,7 +56,7 @@ def prepare(model: nn.Module, *, targets: tuple[str, ...] = (), rank: int = 8, a
                 if isinstance(child, nn.Linear) and ("all-linear" in targets or _OURS.get(name) in targets):
                     setattr(parent, name, LoraLinear(child, rank, alpha, dropout))
     originals = dict(model.named_parameters())  # kept alive, so their ids stay theirs during the swap
-    first_name = {id(param): full for full, param in reversed(originals.items())}  # a tied one: its first name
+    first_name = {id(param): full for full, param in originals.items()}  # a tied one appears once, first name
     replaced: dict[int, nn.Parameter] = {}  # one frozen copy per tensor: a tied weight stays tied
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):

@@ -272,7 +272,9 @@ def _nosave_peak(d: TransformerDims, tok: int, p: int, scores: int) -> int:
     if d.attention != "sdpa":
         attention = max(attention, bsh + 3 * bsq + 2 * scores + (scores + scores // p if d.dropout else 0))
     mlp = 2 * bsh + (3 if d.mlp == "swiglu" else 2) * bsf
-    return max(bsh + norm, attention, 2 * bsh + dropout, 2 * bsh + norm, mlp, 3 * bsh + bsf, 3 * bsh + dropout)
+    # attention_norm's moment (its output, bsh + norm) and the residual add's (2 bsh + dropout) lie under
+    # ffn_norm's (h beside it) and the output's
+    return max(attention, 2 * bsh + norm, mlp, 3 * bsh + bsf, 3 * bsh + dropout)
 
 
 @lru_cache(maxsize=256)  # a sweep's points share shapes (a 10,000-point grid has 125); a Workload is frozen
