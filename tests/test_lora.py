@@ -113,11 +113,29 @@ def test_dropout_keeps_a_copy_and_a_mask_per_target():
     no = parse_scenario(_scenario(TINY | {"lora": {"rank": rank, "targets": ["q_proj", "v_proj"]}})).workload
     yes = parse_scenario(_scenario(TINY | {"lora": {"rank": rank, "targets": ["q_proj", "v_proj"],
                                                     "dropout": 0.05}})).workload
-    block_no, block_yes = no.modules[1], yes.modules[1]
     # per target its dropout output (bf16, kept by lora_A) and bool mask; without dropout A keeps the
     # norm output the base read, with it nothing else reads that output (wk is frozen): it is not kept
     per_target = tok * TINY["hidden"] * (2 + 1)
-    assert block_yes.saved_bytes - block_no.saved_bytes == 2 * per_target - tok * TINY["hidden"] * 2
+    second_no, second_yes = no.modules[2], yes.modules[2]
+    assert second_yes.saved_bytes - second_no.saved_bytes == 2 * per_target - tok * TINY["hidden"] * 2
+    # the first block's attention reads a tensor without grad (frozen embedding, frozen attention_norm):
+    # its dropouts record no node and keep no mask, only the output lora_A saves
+    first_no, first_yes = no.modules[1], yes.modules[1]
+    assert first_yes.saved_bytes - first_no.saved_bytes == 2 * tok * TINY["hidden"] * 2 - tok * TINY["hidden"] * 2
+
+
+def test_the_first_blocks_attention_inputs_need_no_gradient():
+    """Behind a frozen embedding the first block's frozen attention_norm gives wq / wk / wv (and the
+    adapters beside them) an input without grad: their backward runs no input-gradient GEMM, and the norm
+    no backward at all; the second block's do."""
+    rank, tok = 8, 64
+    wl = parse_scenario(_scenario(TINY | {"lora": {"rank": rank, "targets": ["q_proj", "v_proj"]}})).workload
+    first, second = wl.modules[1], wl.modules[2]
+    shapes = _linear_shapes(TINY)
+    skipped = sum(2 * tok * out * fan_in for out, fan_in in (shapes[t] for t in ("q_proj", "k_proj", "v_proj")))
+    skipped += 2 * (2 * tok * rank * TINY["hidden"])  # lora_A of q and v
+    assert second.bwd_flops - first.bwd_flops == skipped
+    assert first.kernels[0].bwd_launches == 0 < second.kernels[0].bwd_launches
 
 
 @settings(max_examples=15, deadline=None)

@@ -84,6 +84,9 @@ def checkpoint_plans(workload: Workload, mode: str, every: int) -> dict[str, Che
     blocks = [m for m in workload.modules if m.is_block]
     if mode == "selective_layer":
         blocks = [m for i, m in enumerate(blocks) if (i + 1) % every == 0]
+    # a wrapped block that records no graph (the frozen prefix, `Module.records_graph`) packs no saved
+    # tensor, so nothing refers to the checkpoint's frame and its input goes as without the wrapper
+    blocks = [m for m in blocks if m.records_graph]
     if mode != "selective_op":
         return {m.name: Checkpoint(recompute_kernels=m.kernels) for m in blocks}
     p = itemsize(workload.activation_dtype)

@@ -23,8 +23,12 @@ from fnmatch import fnmatchcase
 from fsdp_sim.dtypes import itemsize
 from fsdp_sim.errors import ScenarioError, show
 from fsdp_sim.workload.model import Kernel, Module, Param, Workload
+from fsdp_sim.workload.transformer import (BLOCK_RECIPE, NORM_STAT_TENSORS, recipe_activations, recipe_gemm_shapes,
+                                           weight_only_saves)
 
 FROZEN_DTYPES = ("bf16", "fp16", "fp32")
+# an adapter's kernels are named by its target Linear's kernel and these (`lora.py`)
+LORA_DROPOUT, LORA_A, LORA_B = " lora_dropout", " lora_A", " lora_B"
 QUANT_STATE_SUFFIX = ".weight.absmax"  # a 4-bit weight's block scales, stored beside it (`lora.py`)
 # tensors of a pre-norm block that only Linears' weight gradients keep: (readers, the attention kind the
 # rule needs or None) -> which `transformer.block_activations` line saved it
@@ -67,7 +71,8 @@ def without_frozen_gradients(wl: Workload, reads_input: frozenset[str] = frozens
     Walked in forward order: until the first trainable parameter no tensor requires grad (the inputs are
     token ids), so those modules record no graph at all: nothing saved, no backward. The module that meets
     the first trainable parameter gets an input without grad, so an unfused norm at its start keeps no
-    fp32 copy of it and no rstd (they serve only the input's gradient)."""
+    fp32 copy of it and no rstd (they serve only the input's gradient), and a fused one whose parameters
+    are frozen too records nothing: neither its input nor its statistics."""
     trainable = {p.name: p.trainable for p in wl.params}
     p_act = itemsize(wl.activation_dtype)
     unfused = wl.meta.get("norm_impl") in ("composite", "hf_llama")  # transformer.norm_saves
@@ -89,20 +94,48 @@ def without_frozen_gradients(wl: Workload, reads_input: frozenset[str] = frozens
         kernels = tuple(replace(k, weight_grad=needs_dw[k.name]) if k.kind == "gemm" else k for k in m.kernels)
         dropped = sum(_norm_unkept(k, needs_dw[k.name], p_act, wl.meta["norm_impl"])
                       for k in kernels if k.kind == "norm_unfused" and unfused)
-        if not input_grad and unfused and kernels and kernels[0].kind == "norm_unfused":
-            tok, hidden = kernels[0].shape
+        saves_input = m.saves_input
+        first = kernels[0] if kernels and kernels[0].shape else None
+        if not input_grad and first is not None and first.kind == "norm_unfused" and unfused:
+            tok, hidden = first.shape
             dropped += (tok * hidden * 4 if p_act != 4 else 0) + tok * 4  # the fp32 copy of the input, rstd
-        tail = m.bwd_tail_bytes
+            saves_input = saves_input and p_act != 4  # an fp32 input is that copy (`transformer.norm_saves`)
+        inert_norm = not input_grad and first is not None and first.kind in ("norm", "norm_unfused") and \
+            _all_frozen(first.name, names, trainable)
+        if inert_norm and first.kind == "norm":  # nothing of the fused norm needs a gradient: it saves nothing
+            dropped += _fused_norm_stats(names, first.name) * first.shape[0] * 4
+            saves_input = False
+        if inert_norm and m.is_block:  # attention's Linears read a tensor without grad: no input gradient
+            # for them or their adapters' lora_A, no backward for the norm, and the adapters' dropouts
+            # (native_dropout) record no node, so keep no mask
+            qkv = ("wq", "wk", "wv")
+            gemms = {k.name: k for k in kernels if k.kind == "gemm"}
+            names_ = {k.name for k in kernels}
+            dropped += sum(gemms[r].shape[0] * gemms[r].shape[2] for r in qkv if r in gemms and r + LORA_DROPOUT in names_)
+            readers = set(qkv) | {r + LORA_A for r in qkv}
+            no_backward = {first.name} | {r + LORA_DROPOUT for r in qkv}
+            kernels = tuple(replace(k, bwd_bytes=0.0, bwd_launches=0) if k.name in no_backward else
+                            replace(k, input_grad=False) if k.kind == "gemm" and k.name in readers else k for k in kernels)
+        tail, bwd_temp = m.bwd_tail_bytes, m.bwd_temp_bytes
         if m.is_block:
-            dropped += _unkept_inputs(m, needs_dw, reads_input, p_act)
+            unkept, unkept_bytes = _unkept_inputs(m, needs_dw, reads_input, p_act)
+            dropped += unkept_bytes
+            frozen_norms = {"ffn_norm"} if _all_frozen("ffn_norm", names, trainable) else set()
+            bwd_temp = _block_bwd_temp(m, wl.meta.get(BLOCK_RECIPE), needs_dw, unkept, frozen_norms)
             # attention_norm's last moment: none without an input gradient (nothing past it wants one);
             # less what a frozen norm weight no longer keeps
-            first = kernels[0] if kernels and kernels[0].kind == "norm_unfused" and unfused else None
-            unkept = _norm_unkept(first, needs_dw[first.name], p_act, wl.meta["norm_impl"]) if first else 0
-            tail = max(0, tail - unkept) if input_grad else 0
+            norm0 = first if first is not None and first.kind == "norm_unfused" and unfused else None
+            unkept_norm = _norm_unkept(norm0, needs_dw[norm0.name], p_act, wl.meta["norm_impl"]) if norm0 else 0
+            tail = max(0, tail - unkept_norm) if input_grad else 0
+        elif m.kind == "norm" and first is not None and _all_frozen(first.name, names, trainable):
+            # a frozen norm's backward: no weight gradient, the same peak for what it no longer keeps
+            # (`transformer.norm_backward_moment`)
+            impl = wl.meta.get("norm_impl", "fused") if first.kind == "norm_unfused" else "fused"
+            bwd_temp += weight_only_saves(impl, *first.shape, p_act) - sum(q.numel for q in m.params) * p_act
         elif not any(trainable[q.name] for q in m.params if q.name in tied):
             tail = 0  # an embedding's moment is its tied weight's two gradients meeting: none when frozen
-        m = replace(m, kernels=kernels, saved_bytes=max(0, m.saved_bytes - dropped), bwd_tail_bytes=tail)
+        m = replace(m, kernels=kernels, saved_bytes=max(0, m.saved_bytes - dropped), bwd_temp_bytes=bwd_temp,
+                    bwd_tail_bytes=tail, saves_input=saves_input)
         adapter_reads = any(n.startswith(r) for r in reads_input for n in names)
         if m.kind == "head" and not any(needs_dw.values()) and not adapter_reads:
             m = replace(m, saves_input=False)
@@ -126,10 +159,24 @@ def _inert(m: Module) -> Module:
 def _norm_unkept(k: Kernel, weight_grad: bool, p: int, impl: str) -> int:
     """An unfused RMSNorm whose weight is frozen keeps no normalized x: only `normalized * weight`'s weight
     gradient reads it (fp32 in the composite kernel, the activation dtype in Hugging Face's)."""
-    if weight_grad:
-        return 0
-    tok, hidden = k.shape
-    return tok * hidden * (p if impl == "hf_llama" else 4)
+    return 0 if weight_grad else weight_only_saves(impl, *k.shape, p)
+
+
+def _layer_params(kernel: str, names: list[str]) -> list[str]:
+    """The parameters of the layer a kernel runs (`<...>.<layer>.<name>`)."""
+    layer = kernel.split(":")[0].strip()
+    return [n for n in names if n.startswith(f"{layer}.") or f".{layer}." in n]
+
+
+def _all_frozen(kernel: str, names: list[str], trainable: dict[str, bool]) -> bool:
+    own = _layer_params(kernel, names)
+    return bool(own) and not any(trainable[n] for n in own)
+
+
+def _fused_norm_stats(names: list[str], kernel: str) -> int:
+    """The fp32 per-row statistics a fused norm saves (`transformer.NORM_STAT_TENSORS`): LayerNorm's mean and
+    rstd (the builders give it a bias), RMSNorm's rstd."""
+    return NORM_STAT_TENSORS["layernorm" if any(n.endswith(".bias") for n in _layer_params(kernel, names)) else "rmsnorm"]
 
 
 def _weight_trainable(kernel: str, names: list[str], trainable: dict[str, bool]) -> bool:
@@ -146,12 +193,12 @@ def linear_weights(kernel: str, names: list[str]) -> list[str]:
     return [n for n in names if n == f"{layer}.weight" or n.endswith(f".{layer}.weight")]
 
 
-def _unkept_inputs(m: Module, needs_dw: dict[str, bool], reads_input: frozenset[str], p: int) -> int:
-    """Bytes of the block's tensors that only frozen Linears read (see the module docstring); zero for a
-    block whose kernels are not `transformer.block_kernels`' layout."""
+def _unkept_inputs(m: Module, needs_dw: dict[str, bool], reads_input: frozenset[str], p: int) -> tuple[frozenset[str], int]:
+    """The Linears whose input only frozen Linears read (see the module docstring), and that input's bytes;
+    none for a block whose kernels are not `transformer.block_kernels`' layout."""
     kinds = {k.kind for k in m.kernels}
     gemms = {k.name: k for k in m.kernels if k.kind == "gemm"}
-    dropped = 0
+    unkept, dropped = set(), 0
     for readers, needs_kind in _INPUT_GROUPS:
         present = [r for r in readers if r in gemms]
         if not present or (needs_kind is not None and needs_kind not in kinds):
@@ -159,8 +206,25 @@ def _unkept_inputs(m: Module, needs_dw: dict[str, bool], reads_input: frozenset[
         if any(needs_dw[r] or _adapter_reads(m, r, reads_input) for r in present):
             continue
         tok, _, fan_in = gemms[present[0]].shape
+        unkept.update(present)
         dropped += tok * fan_in * p
-    return dropped
+    return frozenset(unkept), dropped
+
+
+def _block_bwd_temp(m: Module, recipe: tuple | None, needs_dw: dict[str, bool], unkept: frozenset[str],
+                    frozen_norms: set[str]) -> int:
+    """A dense block's backward peak as autograd runs it with its frozen Linears and norms: no weight
+    gradient held at the MLP's moments, and an input never saved not released there (`transformer.block_activations`
+    with `frozen` and `unkept`). Only for a block built from the dimensions in `recipe` (its Linears'
+    shapes are the builder's); another keeps its own figure."""
+    if recipe is None:
+        return m.bwd_temp_bytes
+    built = recipe_gemm_shapes(recipe)
+    if any(k.shape != built.get(k.name, k.shape) for k in m.kernels if k.kind == "gemm") or \
+            not built.keys() <= {k.name for k in m.kernels}:
+        return m.bwd_temp_bytes
+    frozen = frozenset(name for name in built if not needs_dw[name]) | frozen_norms
+    return recipe_activations(recipe, frozen=frozen, unkept=unkept).bwd_temp
 
 
 def _adapter_reads(m: Module, kernel: str, reads_input: frozenset[str]) -> bool:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 from fsdp_sim.dtypes import itemsize
 from fsdp_sim.errors import ScenarioError, show
-from fsdp_sim.workload.frozen import QUANT_STATE_SUFFIX, freeze_where, linear_weights
+from fsdp_sim.workload.frozen import LORA_A, LORA_B, LORA_DROPOUT, QUANT_STATE_SUFFIX, freeze_where, linear_weights
 from fsdp_sim.workload.kernels import elementwise, gemm
 from fsdp_sim.workload.model import Kernel, Module, Param, Workload
 
@@ -68,11 +68,7 @@ def apply_lora(wl: Workload, cfg: LoraConfig, where: str = "model.lora") -> Work
     wanted = {PEFT_NAMES.get(t, t) for t in cfg.targets}
     modules, hit, reads_input = [], set(), set()
     for m in wl.modules:
-        if m.is_block:
-            m = _with_adapters(m, wanted, cfg, p, hit, reads_input)
-            if cfg.quantize:
-                m = _quantized(m, cfg, p)
-        modules.append(m)
+        modules.append(_with_adapters(m, wanted, cfg, p, hit, reads_input) if m.is_block else m)
     if not hit:
         example = sorted({name for m in wl.modules if m.is_block for name in _linears(m)})
         raise ScenarioError(f"{where}.targets: {show(list(cfg.targets))} names no Linear of {show(wl.name)}'s blocks "
@@ -80,8 +76,11 @@ def apply_lora(wl: Workload, cfg: LoraConfig, where: str = "model.lora") -> Work
     missing = sorted(wanted - hit - {"all-linear"})
     if missing:
         raise ScenarioError(f"{where}.targets: {missing} name no Linear of {show(wl.name)}'s blocks")
-    wl = replace(wl, modules=tuple(modules))
-    return freeze_where(wl, lambda q: ".lora_" not in q.name, cfg.base_dtype, frozenset(reads_input))
+    wl = freeze_where(replace(wl, modules=tuple(modules)), lambda q: ".lora_" not in q.name, cfg.base_dtype,
+                      frozenset(reads_input))
+    if cfg.quantize:  # once frozen: the blocks' bytes are then what autograd keeps of a frozen base
+        wl = replace(wl, modules=tuple(_quantized(m, cfg, p) if m.is_block else m for m in wl.modules))
+    return wl
 
 
 def _linears(m: Module) -> dict[str, tuple[Kernel, Param]]:
@@ -115,13 +114,13 @@ def _with_adapters(m: Module, wanted: set[str], cfg: LoraConfig, p: int, hit: se
         params += [Param(f"{prefix}.lora_A.weight", (r, fan_in)), Param(f"{prefix}.lora_B.weight", (out, r))]
         if cfg.dropout > 0:  # read x, write the output and a one-byte mask (native_dropout); the grad likewise
             drop = 2 * tok * fan_in * p + tok * fan_in
-            kernels.append(elementwise(f"{name} lora_dropout", drop, drop, recompute=k.recompute))
+            kernels.append(elementwise(name + LORA_DROPOUT, drop, drop, recompute=k.recompute))
             saved += tok * fan_in * p + tok * fan_in  # dropout output (kept by lora_A) and its mask
         else:
             reads_input.add(prefix)
         scale = 5 * tok * out * p  # `* scaling` reads B's output and writes a copy; the add reads two, writes one
-        kernels += [gemm(f"{name} lora_A", tok, r, fan_in, recompute=k.recompute),
-                    gemm(f"{name} lora_B", tok, out, r, recompute=k.recompute),
+        kernels += [gemm(name + LORA_A, tok, r, fan_in, recompute=k.recompute),
+                    gemm(name + LORA_B, tok, out, r, recompute=k.recompute),
                     elementwise(f"{name} lora scale + add", scale, 2 * tok * out * p, launches=2,
                                 recompute=k.recompute)]
         saved += tok * r * p  # lora_A's output, kept by lora_B

@@ -28,8 +28,8 @@ from fsdp_sim.dtypes import itemsize
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.workload.kernels import embedding_kernels
 from fsdp_sim.workload.model import Kernel, Workload
-from fsdp_sim.workload.transformer import (TransformerDims, block_activations, build_transformer, norm_backward_moment,
-                                           norm_saves, norm_transients)
+from fsdp_sim.workload.transformer import (BLOCK_RECIPE, TransformerDims, block_recipe, build_transformer,
+                                           norm_backward_moment, norm_saves, norm_transients, recipe_activations)
 
 # kernels whose rows a sequence-parallel rank runs on its 1/k of the tokens (norms, residual adds, dropouts)
 SEQUENCE_SHARDED = ("norm", "norm_unfused")
@@ -104,9 +104,10 @@ def build_tp_transformer(d: TransformerDims, tp: TensorParallel, *, micro_batch:
     if not tp.sequence_parallel:
         return replace(wl, meta=meta)
     p, tok = itemsize(act_dtype), micro_batch * seq_len
+    meta[BLOCK_RECIPE] = block_recipe(tp_dims(d, k), micro_batch, seq_len, p, tok // k)
     bsh = tok * d.hidden * p
     repl = _replicated_saves(d, tok, p) - _replicated_saves(d, tok // k, p)
-    act = block_activations(tp_dims(d, k), micro_batch, seq_len, p, norm_tokens=tok // k)  # the norms on 1/k of the rows
+    act = recipe_activations(meta[BLOCK_RECIPE])  # the norms on 1/k of the rows
     sharded: dict[int, tuple[Kernel, ...]] = {}  # one tuple per distinct kernel list: op pricing caches by it
     modules = []
     for m in wl.modules:

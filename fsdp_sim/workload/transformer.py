@@ -11,7 +11,7 @@ The byte counts come from listing, op by op, the tensors autograd saves in a pre
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from fsdp_sim.dtypes import itemsize
@@ -22,6 +22,9 @@ from fsdp_sim.workload.model import Module, Param, Workload
 NORM_STAT_TENSORS = {"rmsnorm": 1, "layernorm": 2}  # fp32 per-row statistics saved: rstd (+ mean)
 # Stated limits, far past any published model, checked before anything is built (a typo such as
 # layers: 2147483648 would otherwise build for hours): layers, widths, heads, vocabulary, positions.
+# Workload.meta's key for what the dense blocks' bytes were built from (`block_recipe`), as plain data so
+# that a saved workload keeps it
+BLOCK_RECIPE = "block_activations"
 MAX_LAYERS, MAX_WIDTH, MAX_HEADS, MAX_VOCAB, MAX_SEQ = 4096, 1 << 20, 1 << 16, 1 << 24, 1 << 24
 DIM_LIMITS = {"layers": MAX_LAYERS, "hidden": MAX_WIDTH, "ffn_hidden": MAX_WIDTH, "head_dim": MAX_WIDTH,
               "heads": MAX_HEADS, "kv_heads": MAX_HEADS, "vocab": MAX_VOCAB, "max_seq": MAX_SEQ}
@@ -178,9 +181,21 @@ def norm_transients(d: TransformerDims, tok: int, p: int) -> NormTransients:
     return NormTransients(fwd, bwd)
 
 
-def norm_backward_moment(d: TransformerDims, tok: int, p: int) -> int:
+def weight_only_saves(impl: str, tok: int, hidden: int, p: int) -> int:
+    """What an unfused RMSNorm keeps only for its weight's gradient, `normalized * weight`'s normalized x
+    (fp32 in the composite kernel, the activation dtype in Hugging Face's); a fused kernel, nothing."""
+    return tok * hidden * {"composite": 4, "hf_llama": p}.get(impl, 0)
+
+
+def norm_backward_moment(d: TransformerDims, tok: int, p: int, *, frozen: bool = False) -> int:
     """A norm module's backward peak above the level it began at: its transients, its input gradient and
-    its parameters' gradients."""
+    its parameters' gradients. With its parameters `frozen`, none of those, while the peak above the
+    level stays where it was for the normalized x the norm no longer keeps: the backward still makes a
+    tensor of its size (trace_module on torch 2.13: +4 (tokens, hidden) fp32 bytes less the weight's
+    gradient for the composite kernel; tests/test_norm_kernels.py)."""
+    if frozen:
+        impl = "fused" if d.norm == "layernorm" else d.norm_impl
+        return norm_transients(d, tok, p).bwd + tok * d.hidden * p + weight_only_saves(impl, tok, d.hidden, p)
     return norm_transients(d, tok, p).bwd + tok * d.hidden * p + sum(q.numel for q in _norm("", d)) * p
 
 
@@ -197,9 +212,13 @@ class BlockActivations:
     nosave_peak: int = 0  # the forward's peak when autograd saves nothing (Module.nosave_fwd_peak_bytes)
 
 
-def block_activations(d: TransformerDims, b: int, s: int, p: int, norm_tokens: int | None = None) -> BlockActivations:
+def block_activations(d: TransformerDims, b: int, s: int, p: int, norm_tokens: int | None = None, *,
+                      frozen: frozenset[str] = frozenset(), unkept: frozenset[str] = frozenset()) -> BlockActivations:
     """Op-by-op list of what a pre-norm block saves; `p` is the activation dtype's size in bytes.
-    `norm_tokens`: the rows the norms run on when not all of them (a sequence-parallel rank's 1/k)."""
+    `norm_tokens`: the rows the norms run on when not all of them (a sequence-parallel rank's 1/k).
+    `frozen`: the Linears (wq .. w2) and norms (ffn_norm) whose weights get no gradient, `unkept` the Linears whose input no one
+    keeps (`frozen.py` works both out and drops those inputs from `saved`): they move the backward's
+    moments (no weight gradient held there; an input never saved is not released there)."""
     tok = b * s
     norm_tok = tok if norm_tokens is None else norm_tokens
     h, f, a = d.hidden, d.ffn, d.heads
@@ -239,7 +258,9 @@ def block_activations(d: TransformerDims, b: int, s: int, p: int, norm_tokens: i
     # backward: the MLP's moment is at the activation's backward, after w2's: w2's weight (and bias)
     # gradient, the product's gradient and the gradients of the activation's inputs exist, while w2's saved
     # input (the product / gelu output) is already released: +1 (gelu) or +2 (swiglu) ffn-sized tensors
-    mlp = (2 * bsf if d.mlp == "swiglu" else bsf) + (h * f + (h if d.bias else 0)) * p
+    product_saved = "w2" not in unkept  # w2's input (the product / gelu output): saved by w2 unless unkept
+    mlp = (2 * bsf if d.mlp == "swiglu" else bsf) + (0 if product_saved else bsf)
+    mlp += (h * f + (h if d.bias else 0)) * p if "w2" not in frozen else 0
     attention = 2 * scores + 4 * max(bsh, bsq)  # grads of q, k, v and the output (and of the scores)
     # ffn_norm's backward, after the MLP's: the gradient of its output, its own moment (transients, input and
     # weight gradients) and the MLP's weight gradients, the MLP's saved tensors and the norm's output (saved
@@ -248,9 +269,12 @@ def block_activations(d: TransformerDims, b: int, s: int, p: int, norm_tokens: i
     # saved tensor but its own is released: above the block's end state by its output's gradient, its
     # backward transients and what it saved (`bwd_tail`); the peak with a few hundred tokens, where the
     # weight gradients outweigh the activations
-    mlp_linears = sum(q.numel for q in block_params(d, "") if q.name.startswith(".feed_forward.")) * p
-    mlp_saved = (4 if d.mlp == "swiglu" else 2) * bsf + mask_h
-    ffn_norm = norm_tok * h * p + norm_backward_moment(d, norm_tok, p) + mlp_linears - mlp_saved - bsh
+    mlp_linears = sum(q.numel for q in block_params(d, "") if q.name.startswith(".feed_forward.")
+                      and q.name.split(".")[2] not in frozen) * p
+    mlp_saved = ((4 if d.mlp == "swiglu" else 2) - (0 if product_saved else 1)) * bsf + mask_h
+    norm_out_saved = bsh if "w1" not in unkept else 0  # ffn_norm's output, saved by w1 and w3
+    ffn_norm = norm_tok * h * p + norm_backward_moment(d, norm_tok, p, frozen="ffn_norm" in frozen) + mlp_linears \
+        - mlp_saved - norm_out_saved
     tail = norm_tok * h * p + norm_transients(d, norm_tok, p).bwd + norm_saves(d, norm_tok, p).extra
     return BlockActivations(saved=saved, fwd_temp=fwd_temp, bwd_temp=max(mlp, attention, ffn_norm),
                             saves_input=norm.keeps_input, bwd_tail=tail, nosave_peak=_nosave_peak(d, tok, p, scores))
@@ -275,6 +299,32 @@ def _nosave_peak(d: TransformerDims, tok: int, p: int, scores: int) -> int:
     # attention_norm's moment (its output, bsh + norm) and the residual add's (2 bsh + dropout) lie under
     # ffn_norm's (h beside it) and the output's
     return max(attention, 2 * bsh + norm, mlp, 3 * bsh + bsf, 3 * bsh + dropout)
+
+
+def block_recipe(d: TransformerDims, b: int, s: int, p: int, norm_tokens: int | None = None) -> dict:
+    """`block_activations`' arguments as plain data (Workload.meta[BLOCK_RECIPE])."""
+    return {"dims": asdict(d), "micro_batch": b, "seq_len": s, "bytes": p, "norm_tokens": norm_tokens}
+
+
+@lru_cache(maxsize=64)
+def _from_recipe(items: tuple, frozen: frozenset[str], unkept: frozenset[str]) -> BlockActivations:
+    r = dict(items)
+    return block_activations(TransformerDims(**dict(r["dims"])), r["micro_batch"], r["seq_len"], r["bytes"],
+                             r["norm_tokens"], frozen=frozen, unkept=unkept)
+
+
+def recipe_activations(recipe: dict, *, frozen: frozenset[str] = frozenset(),
+                       unkept: frozenset[str] = frozenset()) -> BlockActivations:
+    """`block_activations` of a `block_recipe` (remembered: every block of a model shares it)."""
+    items = tuple((k, tuple(v.items()) if k == "dims" else v) for k, v in recipe.items())
+    return _from_recipe(items, frozen, unkept)
+
+
+def recipe_gemm_shapes(recipe: dict) -> dict[str, tuple[int, ...]]:
+    """The shapes of the Linears (wq .. w2) a block built from `recipe` runs."""
+    d = TransformerDims(**recipe["dims"])
+    ks = block_kernels(d, recipe["micro_batch"], recipe["seq_len"], recipe["bytes"], causal=True)
+    return {k.name: k.shape for k in ks if k.kind == "gemm"}
 
 
 @lru_cache(maxsize=256)  # a sweep's points share shapes (a 10,000-point grid has 125); a Workload is frozen
@@ -339,5 +389,7 @@ def build_transformer(d: TransformerDims, *, micro_batch: int, seq_len: int, act
     model_flops = sum(m.fwd_flops + m.bwd_flops for m in modules)
     # the norms' kernel, for transforms that change what they save (a frozen weight: workload/frozen.py)
     norm_impl = "fused" if d.norm == "layernorm" else d.norm_impl
+    # what its blocks' bytes were built from, for transforms that change what they keep (workload/frozen.py)
+    meta = {"norm_impl": norm_impl, BLOCK_RECIPE: block_recipe(d, b, s, p)}
     return Workload(name=name, modules=tuple(modules), activation_dtype=act_dtype,
-                    input_bytes=2 * tok * 8, tokens=tok, model_flops=float(model_flops), meta={"norm_impl": norm_impl})
+                    input_bytes=2 * tok * 8, tokens=tok, model_flops=float(model_flops), meta=meta)
