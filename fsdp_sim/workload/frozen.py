@@ -211,19 +211,25 @@ def _unkept_inputs(m: Module, needs_dw: dict[str, bool], reads_input: frozenset[
     return frozenset(unkept), dropped
 
 
+def built_from(m: Module, recipe: dict | None) -> bool:
+    """Whether block `m` is one the builder made from `recipe` (Workload.meta[BLOCK_RECIPE]): its Linears
+    (wq .. w2) all there, at the recipe's shapes, whatever kernels transforms added beside them."""
+    if recipe is None:
+        return False
+    built = recipe_gemm_shapes(recipe)
+    names = {k.name for k in m.kernels}
+    return built.keys() <= names and all(k.shape == built.get(k.name, k.shape) for k in m.kernels if k.kind == "gemm")
+
+
 def _block_bwd_temp(m: Module, recipe: tuple | None, needs_dw: dict[str, bool], unkept: frozenset[str],
                     frozen_norms: set[str]) -> int:
     """A dense block's backward peak as autograd runs it with its frozen Linears and norms: no weight
     gradient held at the MLP's moments, and an input never saved not released there (`transformer.block_activations`
     with `frozen` and `unkept`). Only for a block built from the dimensions in `recipe` (its Linears'
     shapes are the builder's); another keeps its own figure."""
-    if recipe is None:
+    if not built_from(m, recipe):
         return m.bwd_temp_bytes
-    built = recipe_gemm_shapes(recipe)
-    if any(k.shape != built.get(k.name, k.shape) for k in m.kernels if k.kind == "gemm") or \
-            not built.keys() <= {k.name for k in m.kernels}:
-        return m.bwd_temp_bytes
-    frozen = frozenset(name for name in built if not needs_dw[name]) | frozen_norms
+    frozen = frozenset(name for name in recipe_gemm_shapes(recipe) if not needs_dw[name]) | frozen_norms
     return recipe_activations(recipe, frozen=frozen, unkept=unkept).bwd_temp
 
 

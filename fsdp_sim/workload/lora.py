@@ -28,9 +28,11 @@ from dataclasses import dataclass, replace
 
 from fsdp_sim.dtypes import itemsize
 from fsdp_sim.errors import ScenarioError, show
-from fsdp_sim.workload.frozen import LORA_A, LORA_B, LORA_DROPOUT, QUANT_STATE_SUFFIX, freeze_where, linear_weights
+from fsdp_sim.workload.frozen import (LORA_A, LORA_B, LORA_DROPOUT, QUANT_STATE_SUFFIX, built_from, freeze_where,
+                                      linear_weights)
 from fsdp_sim.workload.kernels import elementwise, gemm
 from fsdp_sim.workload.model import Kernel, Module, Param, Workload
+from fsdp_sim.workload.transformer import BLOCK_RECIPE, recipe_activations
 
 # transformers' Llama / Mistral / Qwen module names -> the workload's (torchtitan's)
 PEFT_NAMES = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w1", "up_proj": "w3",
@@ -67,8 +69,9 @@ def apply_lora(wl: Workload, cfg: LoraConfig, where: str = "model.lora") -> Work
     p = itemsize(wl.activation_dtype)
     wanted = {PEFT_NAMES.get(t, t) for t in cfg.targets}
     modules, hit, reads_input = [], set(), set()
+    recipe = wl.meta.get(BLOCK_RECIPE)
     for m in wl.modules:
-        modules.append(_with_adapters(m, wanted, cfg, p, hit, reads_input) if m.is_block else m)
+        modules.append(_with_adapters(m, wanted, cfg, p, hit, reads_input, recipe) if m.is_block else m)
     if not hit:
         example = sorted({name for m in wl.modules if m.is_block for name in _linears(m)})
         raise ScenarioError(f"{where}.targets: {show(list(cfg.targets))} names no Linear of {show(wl.name)}'s blocks "
@@ -94,7 +97,8 @@ def _linears(m: Module) -> dict[str, tuple[Kernel, Param]]:
     return out
 
 
-def _with_adapters(m: Module, wanted: set[str], cfg: LoraConfig, p: int, hit: set, reads_input: set) -> Module:
+def _with_adapters(m: Module, wanted: set[str], cfg: LoraConfig, p: int, hit: set, reads_input: set,
+                   recipe: dict | None) -> Module:
     linears = _linears(m)
     targets = set(linears) if "all-linear" in wanted else wanted & set(linears)
     if not targets:
@@ -125,8 +129,13 @@ def _with_adapters(m: Module, wanted: set[str], cfg: LoraConfig, p: int, hit: se
                                 recompute=k.recompute)]
         saved += tok * r * p  # lora_A's output, kept by lora_B
         temp = max(temp, 2 * tok * out * p)  # B's output and its scaled copy, before the add
+    # checkpointed, the block's forward holds each adapter's scaled output and sum beside the base output;
+    # a block not built from dimensions keeps its figure, or 0 (unknown: its saved tensors bound it)
+    nosave = recipe_activations(recipe, adapters=frozenset(targets)).nosave_peak \
+        if m.nosave_fwd_peak_bytes and built_from(m, recipe) else m.nosave_fwd_peak_bytes
     return replace(m, params=tuple(params), kernels=tuple(kernels), saved_bytes=saved, fwd_temp_bytes=temp,
-                   fwd_flops=sum(k.fwd_flops for k in kernels), bwd_flops=sum(k.bwd_flops for k in kernels))
+                   nosave_fwd_peak_bytes=nosave, fwd_flops=sum(k.fwd_flops for k in kernels),
+                   bwd_flops=sum(k.bwd_flops for k in kernels))
 
 
 def _quantized(m: Module, cfg: LoraConfig, p: int) -> Module:

@@ -213,12 +213,14 @@ class BlockActivations:
 
 
 def block_activations(d: TransformerDims, b: int, s: int, p: int, norm_tokens: int | None = None, *,
-                      frozen: frozenset[str] = frozenset(), unkept: frozenset[str] = frozenset()) -> BlockActivations:
+                      frozen: frozenset[str] = frozenset(), unkept: frozenset[str] = frozenset(),
+                      adapters: frozenset[str] = frozenset()) -> BlockActivations:
     """Op-by-op list of what a pre-norm block saves; `p` is the activation dtype's size in bytes.
     `norm_tokens`: the rows the norms run on when not all of them (a sequence-parallel rank's 1/k).
     `frozen`: the Linears (wq .. w2) and norms (ffn_norm) whose weights get no gradient, `unkept` the Linears whose input no one
     keeps (`frozen.py` works both out and drops those inputs from `saved`): they move the backward's
-    moments (no weight gradient held there; an input never saved is not released there)."""
+    moments (no weight gradient held there; an input never saved is not released there). `adapters`: the
+    Linears with a LoRA adapter beside them (`lora.py`), which move the forward's peak without saves."""
     tok = b * s
     norm_tok = tok if norm_tokens is None else norm_tokens
     h, f, a = d.hidden, d.ffn, d.heads
@@ -277,10 +279,10 @@ def block_activations(d: TransformerDims, b: int, s: int, p: int, norm_tokens: i
         - mlp_saved - norm_out_saved
     tail = norm_tok * h * p + norm_transients(d, norm_tok, p).bwd + norm_saves(d, norm_tok, p).extra
     return BlockActivations(saved=saved, fwd_temp=fwd_temp, bwd_temp=max(mlp, attention, ffn_norm),
-                            saves_input=norm.keeps_input, bwd_tail=tail, nosave_peak=_nosave_peak(d, tok, p, scores))
+                            saves_input=norm.keeps_input, bwd_tail=tail, nosave_peak=_nosave_peak(d, tok, p, scores, adapters))
 
 
-def _nosave_peak(d: TransformerDims, tok: int, p: int, scores: int) -> int:
+def _nosave_peak(d: TransformerDims, tok: int, p: int, scores: int, adapters: frozenset[str] = frozenset()) -> int:
     """A block's forward peak above its input when autograd saves nothing (a fully checkpointed block: the
     non-reentrant checkpoint drops every tensor autograd would save), its output counted from its
     creation: each tensor lives while the block's code refers to it (torchtitan's and the referee's
@@ -288,17 +290,28 @@ def _nosave_peak(d: TransformerDims, tok: int, p: int, scores: int) -> int:
     are locals of Attention.forward until it returns; with math attention the scores and their softmax
     coexist. The MLP's: SwiGLU's product (the residual h, ffn_norm's output, silu(w1), w3 and the
     product; w1's output dropped once silu has run), GELU's activation (h, the norm's output, w1's output,
-    its GELU); then w2's (the product and its output). Last the block's output (h, the MLP's output)."""
+    its GELU); then w2's (the product and its output). Last the block's output (h, the MLP's output).
+    A LoRA adapter beside a Linear (`result = base(x); result = result + lora_B(lora_A(x)) * scaling`)
+    holds two more tensors of its output's size where the base output lives: the scaled adapter output
+    and the sum, before the base output is dropped."""
     bsh, bsq, bsf = tok * d.hidden * p, tok * d.q_dim * p, tok * d.ffn * p
+    bkv = tok * d.kv * d.head_dim * p
+    lora = {name: 2 * out if name in adapters else 0
+            for name, out in (("wq", bsq), ("wk", bkv), ("wv", bkv), ("wo", bsh), ("w1", bsf), ("w3", bsf), ("w2", bsh))}
+    # each projection's moment: attention_norm's output, the projections made so far and its own output
+    projections = max(bsh + bsq + lora["wq"], bsh + bsq + bkv + lora["wk"], bsh + bsq + 2 * bkv + lora["wv"])
     norm = norm_transients(d, tok, p).fwd + norm_saves(d, tok, p).extra  # stats and upcasts die with the op
     dropout = bsh + tok * d.hidden if d.dropout else 0  # a dropout's output and its one-byte mask
-    attention = 2 * bsh + 4 * bsq
+    attention = 2 * bsh + 4 * bsq + lora["wo"]
     if d.attention != "sdpa":
         attention = max(attention, bsh + 3 * bsq + 2 * scores + (scores + scores // p if d.dropout else 0))
-    mlp = 2 * bsh + (3 if d.mlp == "swiglu" else 2) * bsf
+    if d.mlp == "swiglu":  # w1's moment (h, the norm's output, w1's), w3's (silu(w1) beside), the product's
+        mlp = max(2 * bsh + bsf + lora["w1"], 2 * bsh + 2 * bsf + lora["w3"], 2 * bsh + 3 * bsf)
+    else:  # w1's, then its GELU beside it
+        mlp = max(2 * bsh + bsf + lora["w1"], 2 * bsh + 2 * bsf)
     # attention_norm's moment (its output, bsh + norm) and the residual add's (2 bsh + dropout) lie under
     # ffn_norm's (h beside it) and the output's
-    return max(attention, 2 * bsh + norm, mlp, 3 * bsh + bsf, 3 * bsh + dropout)
+    return max(projections, attention, 2 * bsh + norm, mlp, 3 * bsh + bsf + lora["w2"], 3 * bsh + dropout)
 
 
 def block_recipe(d: TransformerDims, b: int, s: int, p: int, norm_tokens: int | None = None) -> dict:
@@ -307,17 +320,17 @@ def block_recipe(d: TransformerDims, b: int, s: int, p: int, norm_tokens: int | 
 
 
 @lru_cache(maxsize=64)
-def _from_recipe(items: tuple, frozen: frozenset[str], unkept: frozenset[str]) -> BlockActivations:
+def _from_recipe(items: tuple, frozen: frozenset[str], unkept: frozenset[str], adapters: frozenset[str]) -> BlockActivations:
     r = dict(items)
     return block_activations(TransformerDims(**dict(r["dims"])), r["micro_batch"], r["seq_len"], r["bytes"],
-                             r["norm_tokens"], frozen=frozen, unkept=unkept)
+                             r["norm_tokens"], frozen=frozen, unkept=unkept, adapters=adapters)
 
 
-def recipe_activations(recipe: dict, *, frozen: frozenset[str] = frozenset(),
-                       unkept: frozenset[str] = frozenset()) -> BlockActivations:
+def recipe_activations(recipe: dict, *, frozen: frozenset[str] = frozenset(), unkept: frozenset[str] = frozenset(),
+                       adapters: frozenset[str] = frozenset()) -> BlockActivations:
     """`block_activations` of a `block_recipe` (remembered: every block of a model shares it)."""
     items = tuple((k, tuple(v.items()) if k == "dims" else v) for k, v in recipe.items())
-    return _from_recipe(items, frozen, unkept)
+    return _from_recipe(items, frozen, unkept, adapters)
 
 
 def recipe_gemm_shapes(recipe: dict) -> dict[str, tuple[int, ...]]:
