@@ -16,7 +16,7 @@ pytest.importorskip("torch")
 from fsdp_sim.torch_tools.memtracker import run_fsdp_mem_tracker  # noqa: E402
 from fsdp_sim.torch_tools.reference_model import ReferenceConfig  # noqa: E402
 from fsdp_sim.torch_tools.referee import (  # noqa: E402
-    BASE, CASES, SETTER_CASES, case_settings, simulate_reference, traced_reference_workload)
+    BASE, CASES, MOMENT_CASES, SETTER_CASES, case_settings, simulate_reference, traced_reference_workload)
 from fsdp_sim.workload.io import save_workload  # noqa: E402
 
 MiB = 1 << 20
@@ -50,6 +50,16 @@ def test_simulated_peak_agrees_with_fsdp_mem_tracker(case_id, model, run, tmp_pa
                                        param_dtype=settings["param_dtype"])
     save_workload(traced, tmp_path / "reference.yaml")
     _check(case_id, "traced", simulate_reference(cfg, workload_file=str(tmp_path / "reference.yaml"), **settings), tracker)
+
+
+@pytest.mark.parametrize("case_id, model, run", MOMENT_CASES, ids=[c[0] for c in MOMENT_CASES])
+def test_a_block_backward_moment_agrees_with_fsdp_mem_tracker(case_id, model, run):
+    """The peak alone: inside a checkpointed block's backward the tracker calls the recomputed tensors Temp."""
+    cfg = ReferenceConfig(**(BASE | model))
+    settings = case_settings(run)
+    sim, tracker = simulate_reference(cfg, **settings), run_fsdp_mem_tracker(cfg, **settings)
+    error = (sim["peak_bytes"] - tracker["peak_bytes"]) / tracker["peak_bytes"]
+    assert abs(error) <= 0.005, f"{case_id}: {100 * error:+.2f} %, sim at {sim['op']}, tracker at {tracker['peak_where']}"
 
 
 # the setters' cases are also compared from the traced workload where the loss or the head's unit matters

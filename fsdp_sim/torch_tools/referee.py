@@ -46,6 +46,15 @@ CASES = [
     ("grad-accumulation-2-ac-full", {}, {"grad_accumulation": 2, "activation_checkpointing": "full"}),
 ]
 
+# A block's backward moments, where one of them is the step's peak: gated at 0.5 % (tests/test_referee.py)
+MOMENT_CASES = [
+    # SDPA's backward comes after the MLP's saved tensors are released and its weight gradients made: here
+    # below the MLP's moment, which is the peak (+2.8 % when the attention moment counted neither)
+    ("gqa1-gelu-bias-fp32-ac-full-w8-mlp-backward-peak", {"hidden": 1024, "layers": 1, "heads": 16, "kv_heads": 1,
+                                                        "ffn_hidden": 2048, "vocab": 256, "mlp": "gelu", "bias": True},
+     {"world_size": 8, "batch": 3, "seq": 512, "param_dtype": "fp32", "optimizer": "sgd", "activation_checkpointing": "full"}),
+]
+
 # The FSDP2 setters (issue #7 section 2) and the other MixedPrecisionPolicy dtypes (fp16 params, bf16 and fp16
 # reduction), each against the tracker; gated at 2 % on the peak. SMALL is a
 # step whose parameters, not the logits, set the peak, so the knobs that move parameter memory show there.

@@ -263,7 +263,6 @@ def block_activations(d: TransformerDims, b: int, s: int, p: int, norm_tokens: i
     product_saved = "w2" not in unkept  # w2's input (the product / gelu output): saved by w2 unless unkept
     mlp = (2 * bsf if d.mlp == "swiglu" else bsf) + (0 if product_saved else bsf)
     mlp += (h * f + (h if d.bias else 0)) * p if "w2" not in frozen else 0
-    attention = 2 * scores + 4 * max(bsh, bsq)  # grads of q, k, v and the output (and of the scores)
     # ffn_norm's backward, after the MLP's: the gradient of its output, its own moment (transients, input and
     # weight gradients) and the MLP's weight gradients, the MLP's saved tensors and the norm's output (saved
     # by w1) released; an upcasting norm's fp32 tensors make it the block's peak where the MLP is narrow (a
@@ -277,7 +276,15 @@ def block_activations(d: TransformerDims, b: int, s: int, p: int, norm_tokens: i
     norm_out_saved = bsh if "w1" not in unkept else 0  # ffn_norm's output, saved by w1 and w3
     ffn_norm = norm_tok * h * p + norm_backward_moment(d, norm_tok, p, frozen="ffn_norm" in frozen) + mlp_linears \
         - mlp_saved - norm_out_saved
-    tail = norm_tok * h * p + norm_transients(d, norm_tok, p).bwd + norm_saves(d, norm_tok, p).extra
+    # SDPA's backward: the gradients of q, k, v and its output (and of the scores) beside every weight
+    # gradient the MLP, ffn_norm and wo have made and the residual's gradient, the MLP's and ffn_norm's saved
+    # tensors released
+    ffn_saves = norm_saves(d, norm_tok, p)
+    later_grads = mlp_linears + ((d.q_dim * h + (h if d.bias else 0)) * p if "wo" not in frozen else 0)
+    later_grads += sum(q.numel for q in _norm("", d)) * p if "ffn_norm" not in frozen else 0
+    released = mlp_saved + norm_out_saved + (norm_tok * h * p if ffn_saves.keeps_input else 0) + ffn_saves.extra
+    attention = 2 * scores + 4 * max(bsh, bsq) + later_grads + norm_tok * h * p - released
+    tail = norm_tok * h * p + norm_transients(d, norm_tok, p).bwd + ffn_saves.extra
     return BlockActivations(saved=saved, fwd_temp=fwd_temp, bwd_temp=max(mlp, attention, ffn_norm),
                             saves_input=norm.keeps_input, bwd_tail=tail, nosave_peak=_nosave_peak(d, tok, p, scores, adapters))
 
