@@ -100,8 +100,8 @@ def without_frozen_gradients(wl: Workload, reads_input: frozenset[str] = frozens
             tok, hidden = first.shape
             dropped += (tok * hidden * 4 if p_act != 4 else 0) + tok * 4  # the fp32 copy of the input, rstd
             saves_input = saves_input and p_act != 4  # an fp32 input is that copy (`transformer.norm_saves`)
-        inert_norm = not input_grad and first is not None and first.kind in ("norm", "norm_unfused") and \
-            _all_frozen(first.name, names, trainable)
+        first_frozen = first is not None and _all_frozen(first.name, names, trainable)
+        inert_norm = not input_grad and first_frozen and first.kind in ("norm", "norm_unfused")
         if inert_norm and first.kind == "norm":  # nothing of the fused norm needs a gradient: it saves nothing
             dropped += _fused_norm_stats(names, first.name) * first.shape[0] * 4
             saves_input = False
@@ -110,8 +110,9 @@ def without_frozen_gradients(wl: Workload, reads_input: frozenset[str] = frozens
             # (native_dropout) record no node, so keep no mask
             qkv = ("wq", "wk", "wv")
             gemms = {k.name: k for k in kernels if k.kind == "gemm"}
-            names_ = {k.name for k in kernels}
-            dropped += sum(gemms[r].shape[0] * gemms[r].shape[2] for r in qkv if r in gemms and r + LORA_DROPOUT in names_)
+            kernel_names = {k.name for k in kernels}
+            dropped += sum(gemms[r].shape[0] * gemms[r].shape[2] for r in qkv
+                           if r in gemms and r + LORA_DROPOUT in kernel_names)
             readers = set(qkv) | {r + LORA_A for r in qkv}
             no_backward = {first.name} | {r + LORA_DROPOUT for r in qkv}
             kernels = tuple(replace(k, bwd_bytes=0.0, bwd_launches=0) if k.name in no_backward else
@@ -127,7 +128,7 @@ def without_frozen_gradients(wl: Workload, reads_input: frozenset[str] = frozens
             norm0 = first if first is not None and first.kind == "norm_unfused" and unfused else None
             unkept_norm = _norm_unkept(norm0, needs_dw[norm0.name], p_act, wl.meta["norm_impl"]) if norm0 else 0
             tail = max(0, tail - unkept_norm) if input_grad else 0
-        elif m.kind == "norm" and first is not None and _all_frozen(first.name, names, trainable):
+        elif m.kind == "norm" and first_frozen:
             # a frozen norm's backward: no weight gradient, the same peak for what it no longer keeps
             # (`transformer.norm_backward_moment`)
             impl = wl.meta.get("norm_impl", "fused") if first.kind == "norm_unfused" else "fused"
@@ -162,9 +163,15 @@ def _norm_unkept(k: Kernel, weight_grad: bool, p: int, impl: str) -> int:
     return 0 if weight_grad else weight_only_saves(impl, *k.shape, p)
 
 
+def _layer(kernel: str) -> str:
+    """The layer a kernel runs, named as the builders name a kernel (`wq`) or as `fsdp-sim trace` does
+    (`attention.wq: mm`)."""
+    return kernel.split(":")[0].strip()
+
+
 def _layer_params(kernel: str, names: list[str]) -> list[str]:
     """The parameters of the layer a kernel runs (`<...>.<layer>.<name>`)."""
-    layer = kernel.split(":")[0].strip()
+    layer = _layer(kernel)
     return [n for n in names if n.startswith(f"{layer}.") or f".{layer}." in n]
 
 
@@ -187,9 +194,8 @@ def _weight_trainable(kernel: str, names: list[str], trainable: dict[str, bool])
 
 
 def linear_weights(kernel: str, names: list[str]) -> list[str]:
-    """The weight a kernel's layer owns: `<...>.<layer>.weight`, the layer named as the builders name a kernel
-    (`wq`) or as `fsdp-sim trace` does (`attention.wq: mm`)."""
-    layer = kernel.split(":")[0].strip()
+    """The weight a kernel's layer owns: `<...>.<layer>.weight` (`_layer`)."""
+    layer = _layer(kernel)
     return [n for n in names if n == f"{layer}.weight" or n.endswith(f".{layer}.weight")]
 
 
@@ -221,7 +227,7 @@ def built_from(m: Module, recipe: dict | None) -> bool:
     return built.keys() <= names and all(k.shape == built.get(k.name, k.shape) for k in m.kernels if k.kind == "gemm")
 
 
-def _block_bwd_temp(m: Module, recipe: tuple | None, needs_dw: dict[str, bool], unkept: frozenset[str],
+def _block_bwd_temp(m: Module, recipe: dict | None, needs_dw: dict[str, bool], unkept: frozenset[str],
                     frozen_norms: set[str]) -> int:
     """A dense block's backward peak as autograd runs it with its frozen Linears and norms: no weight
     gradient held at the MLP's moments, and an input never saved not released there (`transformer.block_activations`

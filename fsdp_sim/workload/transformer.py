@@ -20,11 +20,11 @@ from fsdp_sim.workload.kernels import block_kernels, embedding_kernels, gemm, lo
 from fsdp_sim.workload.model import Module, Param, Workload
 
 NORM_STAT_TENSORS = {"rmsnorm": 1, "layernorm": 2}  # fp32 per-row statistics saved: rstd (+ mean)
-# Stated limits, far past any published model, checked before anything is built (a typo such as
-# layers: 2147483648 would otherwise build for hours): layers, widths, heads, vocabulary, positions.
 # Workload.meta's key for what the dense blocks' bytes were built from (`block_recipe`), as plain data so
 # that a saved workload keeps it
 BLOCK_RECIPE = "block_activations"
+# Stated limits, far past any published model, checked before anything is built (a typo such as
+# layers: 2147483648 would otherwise build for hours): layers, widths, heads, vocabulary, positions.
 MAX_LAYERS, MAX_WIDTH, MAX_HEADS, MAX_VOCAB, MAX_SEQ = 4096, 1 << 20, 1 << 16, 1 << 24, 1 << 24
 DIM_LIMITS = {"layers": MAX_LAYERS, "hidden": MAX_WIDTH, "ffn_hidden": MAX_WIDTH, "head_dim": MAX_WIDTH,
               "heads": MAX_HEADS, "kv_heads": MAX_HEADS, "vocab": MAX_VOCAB, "max_seq": MAX_SEQ}
@@ -90,6 +90,11 @@ class TransformerDims:
         return self.ffn_hidden or 4 * self.hidden
 
     @property
+    def norm_kernel(self) -> str:
+        """The norms' kernel: LayerNorm's is always the fused one, RMSNorm's `norm_impl`."""
+        return "fused" if self.norm == "layernorm" else self.norm_impl
+
+    @property
     def q_dim(self) -> int:
         """Width of the attention's query/output projection: heads x head_dim (= hidden unless head_dim is set)."""
         return self.heads * self.head_dim
@@ -152,8 +157,7 @@ def norm_saves(d: TransformerDims, tok: int, p: int) -> NormSaves:
     if d.norm == "layernorm" or d.norm_impl == "fused":
         return NormSaves(True, NORM_STAT_TENSORS[d.norm] * tok * 4)
     fp32_copy = tok * d.hidden * 4 if p != 4 else 0
-    normalized = tok * d.hidden * (p if d.norm_impl == "hf_llama" else 4)
-    return NormSaves(p == 4, fp32_copy + normalized + tok * 4)
+    return NormSaves(p == 4, fp32_copy + weight_only_saves(d.norm_impl, tok, d.hidden, p) + tok * 4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,10 +197,8 @@ def norm_backward_moment(d: TransformerDims, tok: int, p: int, *, frozen: bool =
     level stays where it was for the normalized x the norm no longer keeps: the backward still makes a
     tensor of its size (trace_module on torch 2.13: +4 (tokens, hidden) fp32 bytes less the weight's
     gradient for the composite kernel; tests/test_norm_kernels.py)."""
-    if frozen:
-        impl = "fused" if d.norm == "layernorm" else d.norm_impl
-        return norm_transients(d, tok, p).bwd + tok * d.hidden * p + weight_only_saves(impl, tok, d.hidden, p)
-    return norm_transients(d, tok, p).bwd + tok * d.hidden * p + sum(q.numel for q in _norm("", d)) * p
+    weights = weight_only_saves(d.norm_kernel, tok, d.hidden, p) if frozen else sum(q.numel for q in _norm("", d)) * p
+    return norm_transients(d, tok, p).bwd + tok * d.hidden * p + weights
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,18 +335,27 @@ def _from_recipe(items: tuple, frozen: frozenset[str], unkept: frozenset[str], a
                              r["norm_tokens"], frozen=frozen, unkept=unkept, adapters=adapters)
 
 
+def _items(recipe: dict) -> tuple:
+    """A `block_recipe` as a hashable key (its dims a tuple of items)."""
+    return tuple((k, tuple(v.items()) if k == "dims" else v) for k, v in recipe.items())
+
+
 def recipe_activations(recipe: dict, *, frozen: frozenset[str] = frozenset(), unkept: frozenset[str] = frozenset(),
                        adapters: frozenset[str] = frozenset()) -> BlockActivations:
     """`block_activations` of a `block_recipe` (remembered: every block of a model shares it)."""
-    items = tuple((k, tuple(v.items()) if k == "dims" else v) for k, v in recipe.items())
-    return _from_recipe(items, frozen, unkept, adapters)
+    return _from_recipe(_items(recipe), frozen, unkept, adapters)
+
+
+@lru_cache(maxsize=64)
+def _gemm_shapes(items: tuple) -> dict[str, tuple[int, ...]]:
+    r = dict(items)
+    ks = block_kernels(TransformerDims(**dict(r["dims"])), r["micro_batch"], r["seq_len"], r["bytes"], causal=True)
+    return {k.name: k.shape for k in ks if k.kind == "gemm"}
 
 
 def recipe_gemm_shapes(recipe: dict) -> dict[str, tuple[int, ...]]:
-    """The shapes of the Linears (wq .. w2) a block built from `recipe` runs."""
-    d = TransformerDims(**recipe["dims"])
-    ks = block_kernels(d, recipe["micro_batch"], recipe["seq_len"], recipe["bytes"], causal=True)
-    return {k.name: k.shape for k in ks if k.kind == "gemm"}
+    """The shapes of the Linears (wq .. w2) a block built from `recipe` runs (remembered, read-only)."""
+    return _gemm_shapes(_items(recipe))
 
 
 @lru_cache(maxsize=256)  # a sweep's points share shapes (a 10,000-point grid has 125); a Workload is frozen
@@ -407,9 +418,8 @@ def build_transformer(d: TransformerDims, *, micro_batch: int, seq_len: int, act
     # what the kernels of one forward and backward execute (no recompute): matmuls, and attention as a
     # causal flash kernel runs it (half the s x s scores; backward 2.5x forward) -- the time model's count
     model_flops = sum(m.fwd_flops + m.bwd_flops for m in modules)
-    # the norms' kernel, for transforms that change what they save (a frozen weight: workload/frozen.py)
-    norm_impl = "fused" if d.norm == "layernorm" else d.norm_impl
-    # what its blocks' bytes were built from, for transforms that change what they keep (workload/frozen.py)
-    meta = {"norm_impl": norm_impl, BLOCK_RECIPE: block_recipe(d, b, s, p)}
+    # the norms' kernel and what the blocks' bytes were built from, for transforms that change what they
+    # keep (a frozen weight: workload/frozen.py)
+    meta = {"norm_impl": d.norm_kernel, BLOCK_RECIPE: block_recipe(d, b, s, p)}
     return Workload(name=name, modules=tuple(modules), activation_dtype=act_dtype,
                     input_bytes=2 * tok * 8, tokens=tok, model_flops=float(model_flops), meta=meta)
