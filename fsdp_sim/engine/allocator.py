@@ -111,12 +111,11 @@ class Segment:
 class Block:
     """A range of a segment: allocated, waiting for its stream uses, or free in its pool."""
 
-    __slots__ = ("address", "size", "segment", "prev", "next", "state", "requested")
+    __slots__ = ("address", "size", "segment", "prev", "next", "state")
 
     def __init__(self, address: int, size: int, segment: Segment, prev: Block | None, nxt: Block | None) -> None:
         self.address, self.size, self.segment, self.prev, self.next = address, size, segment, prev, nxt
         self.state = "free"  # "allocated" | "waiting" (record_stream events pending) | "free"
-        self.requested = 0  # the bytes asked for (0 when not allocated)
 
 
 class OutOfMemory(Exception):
@@ -183,9 +182,10 @@ class CachingAllocator:
         heappop = heapq.heappop
         for buf, nbytes, size, key, now, ready in events:
             if size:
-                now += offset
-                while waiting and waiting[0][0] <= now:  # process_events
-                    release(heappop(waiting)[2])
+                if waiting:  # process_events
+                    now += offset
+                    while waiting and waiting[0][0] <= now:
+                        release(heappop(waiting)[2])
                 pool = pools.get(key)
                 if pool is None:
                     pool = pools[key] = []
@@ -205,13 +205,12 @@ class CachingAllocator:
                         block.segment.last = tail
                     block.next, block.size = tail, size
                     insort(pool, (rest, tail.address, tail))
-                block.state, block.requested = "allocated", nbytes
+                block.state = "allocated"
                 blocks[buf] = block
             else:
                 block = blocks.pop(buf)
                 if block.state != "allocated":
                     raise ValueError(f"block at {block.address:#x} freed while {block.state}")
-                block.requested = 0
                 if ready is None:
                     release(block)
                 else:

@@ -70,7 +70,8 @@ def replay(ops: list[Op], persistent: list[Buffer], start: np.ndarray, issued: n
     initial = np.zeros(len(CATEGORIES), dtype=np.int64)
     for b in persistent:
         initial[_CAT_INDEX[b.category]] += b.nbytes
-    ids, cats, deltas, events = [], [], [], []
+    ids, cats, deltas, events, bufs, streams = [], [], [], [], [], []
+    waits = False  # a free with record_stream: the allocator's replay then depends on the times
     for op in ops:
         kind = op.kind
         if kind == "alloc":
@@ -86,15 +87,19 @@ def replay(ops: list[Op], persistent: list[Buffer], start: np.ndarray, issued: n
                 raise LedgerError(f"buffer {buf.name!r} freed twice or never allocated (op {op.name!r}, {op.phase})")
             deltas.append(-buf.nbytes)
             events.append((op, buf, -1))
+            waits = waits or bool(op.record_stream)
         else:
             continue
         ids.append(op.id)
+        bufs.append(buf.id)
+        streams.append(op.stream)
         cats.append(_CAT_INDEX[buf.category])
     n = len(events)
     step = np.fromiter(deltas, dtype=np.int64, count=n)  # fromiter: half the time of np.array on a list
     times = np.empty(n + 1)  # each event when its stream reaches it, never before the one before it
     times[0] = 0.0
-    times[1:] = start[np.fromiter(ids, dtype=np.intp, count=n)]
+    op_ids = np.fromiter(ids, dtype=np.intp, count=n)
+    times[1:] = start[op_ids]
     np.maximum.accumulate(times, out=times)
     delta = np.zeros((n + 1, len(CATEGORIES)), dtype=np.int64)  # bytes are exact integers
     delta[0] = initial
@@ -104,6 +109,8 @@ def replay(ops: list[Op], persistent: list[Buffer], start: np.ndarray, issued: n
         row, col = np.argwhere(levels < 0)[0]
         raise LedgerError(f"{CATEGORIES[col]} went negative at event {row} ({events[row - 1][1].name!r})")
     total = np.cumsum(np.concatenate(([initial.sum()], step)))
+    # what the allocator sees of the events, in order, the times aside: the key of its memo (reserved.py)
+    requests = None if waits else (np.fromiter(bufs, dtype=np.intp, count=n), step, streams, op_ids)
     model = replay_allocator(ops, events, persistent, start if issued is None else issued,
-                             start if end is None else end, allocator)
+                             start if end is None else end, allocator, requests=requests)
     return MemoryTrace(times, levels, total, events, list(persistent), list(live.values()), model)

@@ -13,6 +13,10 @@ allocator only what is left (`ReservedModel.capped`): a request it cannot serve 
 the cache's free segments and retry, and only then raise an OOM; there steps are replayed until the
 allocator's state at a step's start repeats, when every later step does the same (its retries).
 
+A sweep replays many steps that make the same requests (micro-batch 2 x 1024 tokens allocates as 1 x 2048
+does): where no free waits for a recorded stream, no time moves the replay, and `MEMO` remembers each
+replay by a digest of what it reads, so such a step costs its key.
+
 Times: a request is made when the CPU issues it (`Timing.issued`), which is when `malloc` runs
 `process_events`; a free with `record_stream` waits for the event recorded on that stream at the free,
 which completes when the last op that stream had queued by then ends. Step k runs k step times later.
@@ -20,7 +24,12 @@ which completes when the last op that stream had queued by then ends. Step k run
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from functools import partial
 
 import numpy as np
 
@@ -72,14 +81,62 @@ class ReservedModel:
     releasable_bytes: int  # what `torch.cuda.empty_cache()` would return after the step
     by_stream: dict[str, int]  # reserved per stream (its small and large pools)
     steps: int  # steps replayed until reserved stopped growing (MAX_STEPS: it still grew)
-    plan: StepPlan = field(repr=False)
-    _capped: dict[int, CappedReplay] = field(default_factory=dict, repr=False)
+    plan_of: Callable[[], StepPlan] = field(repr=False)  # the events as the allocator plays them, built when asked
+    _capped: dict[int, CappedReplay] = field(default_factory=dict, repr=False)  # by limit; shared by a memo's hits
+    _plan: StepPlan | None = field(default=None, repr=False)
+
+    @property
+    def plan(self) -> StepPlan:
+        if self._plan is None:
+            self._plan = self.plan_of()
+        return self._plan
 
     def capped(self, limit: int) -> CappedReplay:
         """The same steps when the driver can give the allocator only `limit` bytes (remembered)."""
         if limit not in self._capped:
             self._capped[limit] = replay_capped(self.plan, limit)
         return self._capped[limit]
+
+
+class _Memo:
+    """The replays of this process by what the allocator sees (`replay_allocator`'s key), least recently
+    used first, within a budget of timeline bytes: a sweep's points that make the same requests in the
+    same order (the same structure at the same tokens per micro-batch: micro-batch 2 x 1024 and 1 x 2048)
+    replay alike. A hit shares the figures, the read-only timeline and the capped replays."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget, self.used = budget_bytes, 0
+        self.entries: OrderedDict[bytes, ReservedModel] = OrderedDict()
+        self.lock = threading.Lock()  # a Dask worker may run points in threads
+
+    def get(self, key: bytes) -> ReservedModel | None:
+        with self.lock:
+            model = self.entries.get(key)
+            if model is not None:
+                self.entries.move_to_end(key)
+            return model
+
+    def put(self, key: bytes, model: ReservedModel) -> None:
+        model.timeline.flags.writeable = False  # shared by every hit
+        with self.lock:
+            if key not in self.entries:
+                self.entries[key] = replace(model, plan_of=_no_plan, _plan=None)  # the plan stays with its step
+                self.used += model.timeline.nbytes
+            while self.used > self.budget:
+                self.used -= self.entries.popitem(last=False)[1].timeline.nbytes
+
+    def clear(self) -> None:
+        with self.lock:
+            self.entries.clear()
+            self.used = 0
+
+
+def _no_plan() -> StepPlan:
+    raise AssertionError("a remembered replay is only read through a copy that builds its own plan")
+
+
+# 64 MiB of timelines: ~5,000 llama3-8b steps (1,500 events of 8 B), ~1,300 of a 126-layer llama3-405b
+MEMO = _Memo(64 << 20)
 
 
 def _ready_times(ops, end: np.ndarray, issued: np.ndarray) -> dict[int, float]:
@@ -165,16 +222,48 @@ def _step(plan: StepPlan, alloc: CachingAllocator, kept: dict, step: int, record
 
 
 def replay_allocator(ops, events, persistent, issued: np.ndarray, end: np.ndarray,
-                     config: AllocatorConfig = AllocatorConfig()) -> ReservedModel:
+                     config: AllocatorConfig = AllocatorConfig(), *, requests: tuple | None = None) -> ReservedModel:
     """Play `events` (the ledger's (op, buffer, +1/-1) in issue order) on the allocator model, the first
     step with lazily created optimizer states, then steady steps (see the module).
 
     A steady step that stops early at a checkpoint (`_step`) ends as the step before it ended, so what is
     read off the last step (what empty_cache would return) is read at the end of the one before. Only
     without `record_stream` frees: with them a step's end leaves events pending that the final
-    synchronize would complete."""
-    plan = step_plan(ops, events, persistent, issued, end, config)
-    alloc = CachingAllocator(config)
+    synchronize would complete.
+
+    `requests`, given where no free waits for a recorded stream (so no time moves the allocator), is
+    what it sees of the events in order: (buffer ids, signed bytes, streams, op ids); with the
+    persistent buffers, where the optimizer phase starts and the options, it keys `MEMO`."""
+    plan_of = partial(step_plan, ops, events, persistent, issued, end, config)
+    key = None
+    if requests is not None:
+        key = _memo_key(ops, persistent, config, requests)
+        known = MEMO.get(key)
+        if known is not None:
+            return replace(known, plan_of=plan_of)
+    model = _replay(plan_of())
+    if key is not None:
+        MEMO.put(key, model)
+    return model
+
+
+def _memo_key(ops, persistent, config: AllocatorConfig, requests: tuple) -> bytes:
+    """A digest of everything a replay reads when no time moves it: the options, the persistent buffers
+    (the optimizer states among them created where the optimizer phase starts), and each event's buffer,
+    signed bytes, stream and op (which places the optimizer phase among them). 32 bytes of BLAKE2b, so a
+    remembered step costs its figures and timeline, not its event list."""
+    buffers, deltas, streams, op_ids = requests
+    optimizer_from = next((op.id for op in ops if op.phase == "optimizer"), -1)
+    h = hashlib.blake2b(repr((config, optimizer_from, [(b.id, b.nbytes, b.category) for b in persistent])).encode())
+    for part in (buffers, deltas, op_ids):
+        h.update(part.tobytes())
+    h.update("\0".join(streams).encode())
+    return h.digest()
+
+
+def _replay(plan: StepPlan) -> ReservedModel:
+    """`replay_allocator`'s steps on `plan`."""
+    alloc = CachingAllocator(plan.config)
     kept = _start(plan, alloc)
     early = not any(e[5] is not None for e in plan.events)  # no free waits for a recorded stream
     steps, before, first_reserved, timeline, marks, releasable, converged = 0, -1, 0, None, None, None, False
@@ -201,7 +290,7 @@ def replay_allocator(ops, events, persistent, issued: np.ndarray, end: np.ndarra
         by_stream[seg.stream] = by_stream.get(seg.stream, 0) + seg.size
     first_peak, first_row = _first_step_peak(plan)
     return ReservedModel(np.array(timeline, dtype=np.int64), alloc.reserved, first_peak, first_row, first_reserved,
-                         releasable, by_stream, steps, plan)
+                         releasable, by_stream, steps, lambda: plan, _plan=plan)
 
 
 def _first_step_peak(plan: StepPlan) -> tuple[int, int]:
