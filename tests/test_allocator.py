@@ -206,7 +206,7 @@ def test_allocator_section():
     ("scenarios/llama3-8b-8xh100.yaml", {"fsdp": {"wrap": "every_k_blocks", "blocks_per_unit": 4}}),
     ("scenarios/llama2-7b-8xa100-80gb.yaml", {}),
     # four steps, the last (whose reserved is recorded event by event) stopping at a checkpoint
-    ("scenarios/llama3-8b-8xh100.yaml", {"training": {"micro_batch": 1, "seq_len": 2048},
+    ("scenarios/llama3-8b-8xh100.yaml", {"training": {"micro_batch": 3, "seq_len": 1024},
                                          "fsdp": {"sharding_strategy": "SHARD_GRAD_OP", "reshard_after_forward": False}}),
 ])
 def test_a_steady_step_stopped_at_a_checkpoint_gives_the_full_replays_figures(path, overrides, monkeypatch):

@@ -98,10 +98,11 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
         # the transient moment first (it holds whatever gradients exist then); autograd releases
         # each op's saved tensors as its backward runs, so by the end only what the backward leaves
         # remains: the gradient w.r.t. the input and the parameters' unsharded gradients
-        temp = g.alloc(COMPUTE, f"{m.name} backward temporaries", "temporaries", self._scaled(m.bwd_temp_bytes)) if m.bwd_temp_bytes else None
+        temps = [g.alloc(COMPUTE, f"{m.name} backward temporaries", "temporaries", part)
+                 for part in _parts(self._scaled(m.bwd_temp_bytes), m.bwd_temp_parts)]
         self.module_compute(COMPUTE, f"{m.name} backward", m.kernels, "backward", flops=m.bwd_flops,
                             hbm_bytes=2 * self._scaled(m.fwd_hbm_bytes), measured_s=m.bwd_time_s)
-        if temp is not None:
+        for temp in temps:
             g.free(COMPUTE, temp)
         if m.name in self.saved:
             g.free(COMPUTE, self.saved.pop(m.name))
@@ -147,3 +148,11 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
         for buf in self.sharded_grads.values():
             g.free(COMPUTE, buf)
         self.sharded_grads.clear()
+
+
+def _parts(nbytes: int, parts: int) -> list[int]:
+    """`nbytes` as `parts` tensors of equal size (the first takes the remainder); none when it is 0."""
+    if not nbytes:
+        return []
+    size = nbytes // parts
+    return [nbytes - size * (parts - 1)] + [size] * (parts - 1)

@@ -28,7 +28,7 @@ _WORKLOAD_KEYS = {"name": "str", "modules": "modules", "activation_dtype": "dtyp
                   "tokens": "int", "model_flops": "float", "meta": "mapping"}
 _MODULE_KEYS = {"name": "str", "kind": "str", "params": "params", "tied_params": "names", "fwd_flops": "float",
                 "bwd_flops": "float", "fwd_hbm_bytes": "float", "saved_bytes": "int", "fwd_temp_bytes": "int",
-                "bwd_temp_bytes": "int", "bwd_tail_bytes": "int", "nosave_fwd_peak_bytes": "int", "output_bytes": "int", "saves_input": "bool", "is_block": "bool",
+                "bwd_temp_bytes": "int", "bwd_temp_parts": "int", "bwd_tail_bytes": "int", "nosave_fwd_peak_bytes": "int", "output_bytes": "int", "saves_input": "bool", "is_block": "bool",
                 "in_model": "bool", "records_graph": "bool", "fwd_time_s": "time", "bwd_time_s": "time",
                 "kernels": "kernels"}
 _PARAM_KEYS = {"name": "str", "shape": "shape", "dtype": "dtype", "trainable": "bool"}

@@ -58,7 +58,7 @@ def _torch_loss_module(rows: int, v: int, p: int, *, upcast: bool, chunk_rows: i
     logits = rows * v * q
     chunk = chunk_rows * v * q
     return Module("loss", "loss", fwd_hbm_bytes=3 * logits, saved_bytes=logits + 4 * chunks,
-                  fwd_temp_bytes=chunk if upcast and p != 4 else 0, bwd_temp_bytes=2 * chunk, output_bytes=4,
+                  fwd_temp_bytes=chunk if upcast and p != 4 else 0, bwd_temp_bytes=2 * chunk, bwd_temp_parts=2, output_bytes=4,
                   saves_input=False, in_model=False, kernels=loss_kernels(rows, v, p, upcast=upcast))
 
 

@@ -12,6 +12,9 @@ Activation accounting convention (one owner per tensor, so nothing is counted tw
   (excluding the input and the output), freed when the module's backward ends.
 - `fwd_temp_bytes` / `bwd_temp_bytes`: transient peak above that during the forward / backward compute
   (workspaces, intermediate results freed before the module returns).
+- `bwd_temp_parts`: how many tensors of equal size the backward's transient moment is (the loss's two
+  fp32 logits-sized gradients): the caching allocator places each on its own, where one block of their
+  sum would need a hole that large (1: one tensor, or sizes not known).
 - `bwd_tail_bytes`: a later backward moment, once its parameters' gradients all exist: what it then holds
   beyond its end state (its input's gradient and those gradients; its saved tensors released) -- a
   block's attention_norm backward, which with few tokens is the block's peak. The schedule adds it on top
@@ -139,6 +142,7 @@ class Module:
     saved_bytes: int = 0
     fwd_temp_bytes: int = 0
     bwd_temp_bytes: int = 0
+    bwd_temp_parts: int = 1
     bwd_tail_bytes: int = 0
     nosave_fwd_peak_bytes: int = 0
     output_bytes: int = 0

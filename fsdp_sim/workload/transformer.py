@@ -412,7 +412,7 @@ def build_transformer(d: TransformerDims, *, micro_batch: int, seq_len: int, act
     cast_copy = fp32_logits if p != 4 else 0
     modules.append(Module(
         "loss", "loss", fwd_hbm_bytes=3 * fp32_logits, saved_bytes=fp32_logits + 4,
-        fwd_temp_bytes=cast_copy, bwd_temp_bytes=2 * fp32_logits, output_bytes=4,
+        fwd_temp_bytes=cast_copy, bwd_temp_bytes=2 * fp32_logits, bwd_temp_parts=2, output_bytes=4,
         saves_input=False, in_model=False, kernels=loss_kernels(tok, v, p)))
 
     # what the kernels of one forward and backward execute (no recompute): matmuls, and attention as a
