@@ -16,9 +16,9 @@ WIDE = dict(hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336)  # Llama 3 8B's
 GELU = dict(hidden=1024, layers=3, heads=8, kv_heads=2, ffn_hidden=2816, vocab=1000, mlp="gelu", norm="layernorm", bias=True)
 
 
-def _errors(cfg: ReferenceConfig, batch: int, seq: int, ac: str, dtype: str = "bf16", expandable: bool = False):
-    eager = eager_steps(cfg, batch=batch, seq=seq, activation_checkpointing=ac, dtype=dtype, expandable_segments=expandable)
-    sim = simulated(cfg, batch=batch, seq=seq, activation_checkpointing=ac, dtype=dtype, expandable_segments=expandable)
+def _errors(cfg: ReferenceConfig, batch: int, seq: int, ac: str, dtype: str = "bf16", **mode):
+    eager = eager_steps(cfg, batch=batch, seq=seq, activation_checkpointing=ac, dtype=dtype, **mode)
+    sim = simulated(cfg, batch=batch, seq=seq, activation_checkpointing=ac, dtype=dtype, **mode)
     allocated = int(sim.memory.total.max())
     return allocated / eager.allocated_bytes - 1, sim.memory.reserved_bytes / eager.reserved_bytes[-1] - 1
 
@@ -39,13 +39,20 @@ def test_a_selective_op_forward_is_bounded_above_by_its_saves():
     assert 0 <= allocated < 0.015
 
 
-@pytest.mark.parametrize("expandable", [False, True])
+MODES = {"bf16": {}, "bf16, expandable segments": {"expandable_segments": True},
+         "fp32 under bf16 autocast": {"dtype": "fp32", "autocast": True}}
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("ac", ["none", "selective_op", "full"])
-def test_reserved_for_the_simulators_buffers_is_near_reserved_for_the_real_tensors(ac, expandable):
+def test_reserved_for_the_simulators_buffers_is_near_reserved_for_the_real_tensors(ac, mode):
     """Llama 3 8B's blocks and vocabulary, 8192 tokens: the fp32 logits (4 GiB) and their two backward
     gradients dominate. Allocated as one block, those gradients needed an 8 GiB hole and reserved was 21 %
-    to 47 % above the real tensors'; as two tensors it is -1.5 % to +8.8 % (the allocator model alike)."""
-    allocated, reserved = _errors(ReferenceConfig(max_seq=8192, layers=2, vocab=128256, **WIDE), 1, 8192, ac,
-                                  expandable=expandable)
-    assert abs(allocated) < 1e-3
+    to 47 % above the real tensors'; as two tensors it is -1.5 % to +8.8 % (the allocator model alike).
+    Under autocast the fp32 parameters' foreach temporaries are 2 to 4 GiB each: as one block the full
+    checkpointing case was -12.9 %, as PyTorch's one tensor per parameter -7.2 %. Autocast's allocated
+    peak is below the eager one by up to 1.1 % here (2.4 % on 8 blocks): the fp32 residual stream autocast
+    leaves (the embedding is not cast) is not modelled (schedule/plain.py)."""
+    allocated, reserved = _errors(ReferenceConfig(max_seq=8192, layers=2, vocab=128256, **WIDE), 1, 8192, ac, **MODES[mode])
+    assert -0.015 < allocated < 1e-3 if "autocast" in mode else abs(allocated) < 1e-3
     assert abs(reserved) < 0.10

@@ -11,7 +11,7 @@ from __future__ import annotations
 from fsdp_sim.dtypes import itemsize
 from fsdp_sim.schedule.offload import ActivationOffload, CPUOffload, HostMemory
 from fsdp_sim.schedule.ops import Buffer, Op, OpGraph
-from fsdp_sim.schedule.optimizers import step_cost
+from fsdp_sim.schedule.optimizers import StepCost, step_cost
 from fsdp_sim.schedule.param_dtypes import unit_shards
 from fsdp_sim.schedule.settings import FSDPSettings
 from fsdp_sim.schedule.tp import TensorParallelCompute
@@ -131,6 +131,11 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
         (FSDP1 overrides it with one flat shard per unit)."""
         return [n for u in self.units for n in unit_shards(u, self.s).trainable]
 
+    def optimizer_temporaries(self, cost: StepCost) -> tuple[int, ...]:
+        """The step's temporaries as the allocator gets them: one tensor per stepped tensor, as
+        `_foreach_sqrt` returns them (plain training's whole parameters, FSDP1's flat shards)."""
+        return cost.temp_tensors
+
     def optimizer_step(self, last_reduce: Op | None) -> None:
         """The optimizer step on the sharded parameters, in their storage dtype (see `optimizers.py`), then
         zero_grad(set_to_none=True)."""
@@ -139,11 +144,11 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
         if s.offload_params:  # CPUOffloadPolicy: torch.optim steps the host shards on the CPU (offload.py)
             return self.cpu_optimizer_step(last_reduce, self.optimizer_shards())
         cost = step_cost(s.optimizer, s.optimizer_impl, s.momentum, self.optimizer_shards(), s.storage_bytes)
-        temp = g.alloc(COMPUTE, f"{s.optimizer}.step temporaries", "optimizer_states", cost.temp_bytes,
-                       deps=(last_reduce,)) if cost.temp_bytes else None
+        temps = [g.alloc(COMPUTE, f"{s.optimizer}.step temporaries", "optimizer_states", nbytes, deps=(last_reduce,))
+                 for nbytes in self.optimizer_temporaries(cost)]
         g.add("compute", COMPUTE, f"{s.optimizer}.step", deps=(last_reduce,), hbm_bytes=cost.traffic_bytes,
               launches=cost.launches)
-        if temp is not None:
+        for temp in temps:
             g.free(COMPUTE, temp)
         for buf in self.sharded_grads.values():
             g.free(COMPUTE, buf)

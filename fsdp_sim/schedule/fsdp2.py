@@ -16,7 +16,7 @@ from fsdp_sim.schedule.autograd import COMPUTE
 from fsdp_sim.schedule.float8 import Float8AllGather, float8_unit_bytes
 from fsdp_sim.schedule.fsdp2_reduce import SHARD_GROUP, GradientReduction
 from fsdp_sim.schedule.ops import Buffer, Op, OpGraph
-from fsdp_sim.schedule.optimizers import state_bytes
+from fsdp_sim.schedule.optimizers import StepCost, state_bytes
 from fsdp_sim.schedule.param_dtypes import gathered_itemsize, unit_shards
 from fsdp_sim.schedule.settings import FSDPSettings, post_forward_group
 from fsdp_sim.schedule.walk import FSDPWalk
@@ -52,6 +52,12 @@ class FSDP2Runtime(FSDPWalk, GradientReduction, Float8AllGather):
         # per micro-batch (set_micro_batch_sync): set_requires_all_reduce, set_reshard_after_backward
         self.all_reduce_grads = True
         self.reshard_after_backward = True
+
+    def optimizer_temporaries(self, cost: StepCost) -> tuple[int, ...]:
+        """One block: the per-parameter shards are 1/N of a parameter, and apart they would add two events
+        per parameter to every step (+30 % or more a point on the 10,000-point llama3-8b grid) to move reserved by
+        0 to 0.17 GiB on the shipped FSDP2 scenarios (llama3-8b on 8 H100, torchtitan's 8B and 70B runs)."""
+        return (cost.temp_bytes,) if cost.temp_bytes else ()
 
     def _reshard_after_forward_arg(self, u: Unit) -> bool | int:
         """The unit's `reshard_after_forward` as its param group holds it after `_lazy_init`.

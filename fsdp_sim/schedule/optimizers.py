@@ -74,6 +74,7 @@ class StepCost:
     temp_bytes: int  # the step's transient peak
     traffic_bytes: int  # HBM bytes read and written
     launches: int
+    temp_tensors: tuple[int, ...] = ()  # the transient peak as the tensors it is: the foreach list, one per tensor
 
 
 def states_per_param(optimizer: str, momentum: bool) -> int:
@@ -118,8 +119,10 @@ def step_cost(optimizer: str, impl: str, momentum: bool, shards: list[int], item
     adam = optimizer in ("adam", "adamw")
     if impl == "foreach":
         launches = len(passes) * max(1, -(-numel // FOREACH_ELEMENTS_PER_LAUNCH))
-        return StepCost(states, itemsize * numel if adam else 0, traffic, launches)
-    return StepCost(states, 2 * itemsize * largest if adam else 0, traffic, len(passes) * len(shards))
+        temps = tuple(itemsize * n for n in shards if n) if adam else ()
+        return StepCost(states, sum(temps), traffic, launches, temps)
+    temps = (itemsize * largest,) * 2 if adam and largest else ()
+    return StepCost(states, sum(temps), traffic, len(passes) * len(shards), temps)
 
 
 def check_optimizer(optimizer: str, version: int) -> None:

@@ -12,10 +12,13 @@ buffers. Two figures come out beside the simulator's:
 - reserved memory for the real tensor sequence. The allocator model is the same on both sides, so the
   difference is only the simulator's buffers: it allocates a module's saved activations and its
   temporaries as one block each where PyTorch allocates each tensor.
-The model is the ReferenceTransformer stored in one dtype (`training.param_storage_dtype`, no autocast),
-trained with torch.optim.AdamW (foreach) and `zero_grad(set_to_none=True)`; every storage is on the one
-stream, so all go to the compute stream's pools. The CPU's kernels run (composite norms, the CPU's SDPA,
-whose saved outputs are the CUDA flash kernel's: output and fp32 logsumexp).
+The model is the ReferenceTransformer stored in one dtype (`training.param_storage_dtype`), trained with
+torch.optim.AdamW (foreach) and `zero_grad(set_to_none=True)`; every storage is on the one stream, so all
+go to the compute stream's pools. The CPU's kernels run (composite norms, the CPU's SDPA, whose saved
+outputs are the CUDA flash kernel's: output and fp32 logsumexp). `autocast=True` stores fp32 and runs the
+forward and loss under `torch.autocast("cpu", dtype=torch.bfloat16)`, the simulator's default plain step:
+CPU autocast casts the same GEMMs and SDPA as CUDA's; its norms and losses here see fp32 inputs (the
+embedding is not cast, so the residual stream stays fp32), where both lists give fp32.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ class EagerSteps:
 
 
 def eager_steps(cfg: ReferenceConfig, *, batch: int, seq: int, activation_checkpointing: str = "none",
-                dtype: str = "bf16", expandable_segments: bool = False) -> EagerSteps:
+                dtype: str = "bf16", expandable_segments: bool = False, autocast: bool = False) -> EagerSteps:
     """`STEPS` training steps of the ReferenceTransformer, logged storage by storage and replayed on the
     allocator model (with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` when asked)."""
     log = _StorageLog()
@@ -101,7 +104,10 @@ def eager_steps(cfg: ReferenceConfig, *, batch: int, seq: int, activation_checkp
         with log:
             log.recording = True
             for step in range(STEPS):
-                loss_fn(model(tokens), labels).backward()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    loss = loss_fn(model(tokens), labels)
+                loss.backward()
+                del loss
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 gc.collect()  # autograd's graph holds no cycle, but a finalizer may wait for a collection
@@ -129,10 +135,11 @@ def _replay(events: list[tuple[str, int, int]], persistent: list[int], config: A
 
 
 def simulated(cfg: ReferenceConfig, *, batch: int, seq: int, activation_checkpointing: str = "none",
-              dtype: str = "bf16", expandable_segments: bool = False):
-    """The simulator's step of the same job: plain training, parameters stored in `dtype`, no autocast."""
+              dtype: str = "bf16", expandable_segments: bool = False, autocast: bool = False):
+    """The simulator's step of the same job: plain training, parameters stored in `dtype`, computing in
+    it (or, with `autocast`, in bf16 under autocast)."""
     data = reference_scenario(cfg, world_size=1, batch=batch, seq=seq, activation_checkpointing=activation_checkpointing)
     data["allocator"] = {"expandable_segments": expandable_segments}
-    data["fsdp"] = {"version": "none", "mixed_precision": {"param_dtype": dtype}}  # no autocast: computes in `dtype`
+    data["fsdp"] = {"version": "none", "mixed_precision": {"param_dtype": "bf16" if autocast else dtype}}
     data["training"]["param_storage_dtype"] = dtype
     return simulate(parse_scenario(data, name="eager-referee"))
