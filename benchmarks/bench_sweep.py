@@ -3,8 +3,9 @@
 The grid is `benchmarks/llama3-8b-10k.grid.yaml` over `scenarios/llama3-8b-8xh100.yaml`: micro-batch 1..25 x
 seq_len 1024..16384 (5) x wrap (per block, every 2 / 4 / 8 blocks, whole model) x backward prefetch x
 activation checkpointing x FULL_SHARD / SHARD_GRAD_OP x reduce dtype fp32 / bf16. Points run in a fixed
-shuffled order in chunks of CHUNK until the budget is spent (`all`: every point); the rate of what ran is
-extrapolated to all 10,000. CPU time is this process's and its finished workers' (`resource`), so other
+shuffled order in chunks of CHUNK until the budget is spent, the rate of what ran extrapolated to all
+10,000; `all` runs every point in one call, as `fsdp-sim sweep` does (so `sweep_points` dispatches the
+points that allocate alike together, which a chunk of a shuffled order cannot). CPU time is this process's and its finished workers' (`resource`), so other
 work on a shared machine does not count; wall time is what a user waits.
 
 Then one core's cost per point: parsing, simulating and reducing to a row (against the full `to_dict()`
@@ -69,7 +70,8 @@ def throughput(budget_s: float, jobs: int | None, executor: str = "local") -> tu
         workers = runner.workers() if hasattr(runner, "client") else getattr(runner, "jobs", 1)
         done, errors, t0 = 0, 0, time.perf_counter()
         while done < len(todo) and time.perf_counter() - t0 < budget_s:
-            rows = sweep_points(todo[done:done + CHUNK], SCENARIO.parent, runner=runner)
+            rows = sweep_points(todo[done:done + (CHUNK if budget_s < float("inf") else len(todo))], SCENARIO.parent,
+                                runner=runner)
             errors += sum(bool(r["error"]) for r in rows)
             done += len(rows)
         elapsed = time.perf_counter() - t0

@@ -164,14 +164,37 @@ def sweep_points(datas: list[dict], folder: Path, *, jobs: int | None = None, pr
     work = partial(run_max_batch if max_batch else run_point, base=folder)
     bar = _bar(len(datas), progress)
     tick = bar.update if bar is not None else (lambda n: None)
+    order = dispatch_order(datas)
     try:
         if runner is not None:
-            return runner.map(work, datas, tick)
-        with open_runner(executor, jobs=jobs, scheduler=scheduler) as opened:
-            return opened.map(work, datas, tick)
+            rows = runner.map(work, [datas[i] for i in order], tick)
+        else:
+            with open_runner(executor, jobs=jobs, scheduler=scheduler) as opened:
+                rows = opened.map(work, [datas[i] for i in order], tick)
     finally:
         if bar is not None:
             bar.close()
+    out: list[dict] = [{}] * len(datas)
+    for i, row in zip(order, rows):
+        out[i] = row
+    return out
+
+
+def dispatch_order(datas: list[dict]) -> list[int]:
+    """The points' indices with those that differ only in how a micro-batch's tokens are split
+    (`training.micro_batch` x `training.seq_len` equal, everything else the same) side by side, so they
+    reach one worker in one chunk: they allocate alike, and that worker's allocator memo
+    (engine/reserved.py `MEMO`) replays the caching allocator once for them. The rows keep the sweep's order."""
+    def key(i: int) -> tuple:
+        data = datas[i]
+        training = data.get("training")
+        if not isinstance(training, dict):
+            return (repr(data), 0)
+        rest = {**data, "training": {k: v for k, v in training.items() if k not in ("micro_batch", "seq_len")}}
+        tokens = training.get("micro_batch", 1), training.get("seq_len", 0)
+        product = tokens[0] * tokens[1] if all(isinstance(t, int) for t in tokens) else 0
+        return (repr(rest), product)
+    return sorted(range(len(datas)), key=key)
 
 
 def search_axes(grid: str | None, axes: list[Axis] | None, assignments: Iterable[str]) -> list[Axis]:

@@ -147,3 +147,22 @@ def test_allocator_retries_in_a_row_are_the_steady_step_of_the_replay_under_the_
     assert row["fits"] and row["allocator_retries_per_step"] == allocator["retries_per_step"]
     assert (row["allocator_retries_per_step"] > 0) == (micro_batch == 7)
     assert (row["peak_reserved_bytes"] > allocator["limit_bytes"]) == (micro_batch == 7)
+
+
+def test_points_that_split_their_tokens_alike_are_dispatched_together_and_rows_keep_the_sweeps_order(tmp_path):
+    """`sweep_points` hands the workers the points in `dispatch_order`: those that differ only in how a
+    micro-batch's tokens are split (2 x 1024 and 1 x 2048) side by side, so one worker's allocator memo
+    serves both; the rows come back in the sweep's order, each its own point's."""
+    from fsdp_sim.sweep import dispatch_order, run_point, sweep_points
+
+    grid = points(BASE, [("training.micro_batch", [1, 2]), ("training.seq_len", [1024, 2048]),
+                         ("fsdp.wrap", ["per_block", "whole_model"])])
+    datas = [data for _, data in grid]
+    position = {i: j for j, i in enumerate(dispatch_order(datas))}
+    assert sorted(position.values()) == list(range(len(datas)))
+    for wrap in ("per_block", "whole_model"):
+        twins = [i for i, d in enumerate(datas) if d["fsdp"]["wrap"] == wrap
+                 and d["training"]["micro_batch"] * d["training"]["seq_len"] == 2048]
+        assert len(twins) == 2 and abs(position[twins[0]] - position[twins[1]]) == 1
+    rows = sweep_points(datas, tmp_path, jobs=2)
+    assert rows == [run_point(data, tmp_path) for data in datas]
