@@ -219,6 +219,20 @@ class CachingAllocator:
             if log is not None:
                 log.append(self.reserved)
 
+    def close(self) -> None:
+        """Unlink every segment and block (each block points at its neighbours and its segment, each
+        segment at its last block and its pool): reference counting then frees a replayed allocator at
+        once, where the cyclic collector would have to find its few hundred objects, every sweep point."""
+        for seg in self.segments:
+            block = seg.last
+            while block is not None:
+                block.prev, block.next, block.segment, block = None, None, None, block.prev
+            seg.last = seg.pool = None
+        self.segments = []
+        self._pools.clear()
+        self._expandable.clear()
+        self._waiting.clear()
+
     def synchronize(self) -> None:
         """Every pending event completes (`synchronize_and_free_events`, as `empty_cache` runs first)."""
         while self._waiting:
@@ -343,8 +357,9 @@ class CachingAllocator:
         if i < len(pool):
             block = pool[i][2]
             if block.prev is None and block.next is None and not block.segment.expandable:
-                self._drop(block.segment)
-                self.segments.remove(block.segment)
+                seg = block.segment
+                self._drop(seg)
+                self.segments.remove(seg)
                 return True
             return False
         total = 0
@@ -353,14 +368,18 @@ class CachingAllocator:
                 break
             if block.prev is None and block.next is None and not block.segment.expandable:
                 total += block.size
-                self._drop(block.segment)
-                self.segments.remove(block.segment)
+                seg = block.segment
+                self._drop(seg)
+                self.segments.remove(seg)
         return total >= target
 
     def _drop(self, seg: Segment) -> None:
-        """`release_block`: a free whole segment goes back to the driver (the caller unlists it)."""
+        """`release_block`: a free whole segment goes back to the driver (the caller unlists it; its block
+        and it are unlinked, as `close` does, so reference counting frees them)."""
         self._take(seg.pool, seg.last)
         self.reserved -= seg.size
+        seg.last.segment = None
+        seg.last = seg.pool = None
 
     def _new_segment(self, key: tuple[str, bool], size: int) -> Block:
         """`alloc_block`: cudaMalloc a segment of `get_allocation_size(size)` holding one block."""

@@ -288,8 +288,10 @@ def _replay(plan: StepPlan) -> ReservedModel:
     by_stream: dict[str, int] = {}
     for seg in alloc.segments:
         by_stream[seg.stream] = by_stream.get(seg.stream, 0) + seg.size
+    reserved = alloc.reserved
+    alloc.close()
     first_peak, first_row = _first_step_peak(plan)
-    return ReservedModel(np.array(timeline, dtype=np.int64), alloc.reserved, first_peak, first_row, first_reserved,
+    return ReservedModel(np.array(timeline, dtype=np.int64), reserved, first_peak, first_row, first_reserved,
                          releasable, by_stream, steps, lambda: plan, _plan=plan)
 
 
@@ -322,4 +324,6 @@ def replay_capped(plan: StepPlan, limit: int) -> CappedReplay:
             seen = state
     except OutOfMemory:
         return CappedReplay(limit, True, alloc.peak, alloc.retries - retries, alloc.retries, steps)
+    finally:
+        alloc.close()
     return CappedReplay(limit, False, alloc.peak, alloc.retries - retries, alloc.retries, steps)
