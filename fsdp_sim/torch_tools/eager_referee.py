@@ -79,7 +79,6 @@ class EagerSteps:
 
     allocated_bytes: int  # peak live bytes, parameters included (max_memory_allocated)
     reserved_bytes: list[int]  # reserved after each step (max_memory_reserved: it never decreases)
-    storages: int  # allocations logged
 
 
 def eager_steps(cfg: ReferenceConfig, *, batch: int, seq: int, activation_checkpointing: str = "none",
@@ -131,7 +130,7 @@ def _replay(events: list[tuple[str, int, int]], persistent: list[int], config: A
             live -= nbytes
         else:
             reserved.append(alloc.reserved)
-    return EagerSteps(peak, reserved, sum(kind == "alloc" for kind, _, _ in events))
+    return EagerSteps(peak, reserved)
 
 
 def simulated(cfg: ReferenceConfig, *, batch: int, seq: int, activation_checkpointing: str = "none",
