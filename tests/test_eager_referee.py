@@ -50,9 +50,10 @@ def test_reserved_for_the_simulators_buffers_is_near_reserved_for_the_real_tenso
     gradients dominate. Allocated as one block, those gradients needed an 8 GiB hole and reserved was 21 %
     to 47 % above the real tensors'; as two tensors it is -1.5 % to +8.8 % (the allocator model alike).
     Under autocast the fp32 parameters' foreach temporaries are 2 to 4 GiB each: as one block the full
-    checkpointing case was -12.9 %, as PyTorch's one tensor per parameter -7.2 %. Autocast's allocated
-    peak is below the eager one by up to 1.1 % here (2.4 % on 8 blocks): the fp32 residual stream autocast
-    leaves (the embedding is not cast) is not modelled (schedule/plain.py)."""
+    checkpointing case was -12.9 %, as PyTorch's one tensor per parameter -6.8 %. Autocast leaves the
+    residual stream in fp32 (the embedding is not cast): a checkpointed block, which keeps only its input,
+    is exact with the blocks' outputs in fp32 (-0.4 % before); without checkpointing the fp32 residual and
+    norm tensors inside a block are not separated, -1.1 % here (2.4 % on 8 blocks; schedule/plain.py)."""
     allocated, reserved = _errors(ReferenceConfig(max_seq=8192, layers=2, vocab=128256, **WIDE), 1, 8192, ac, **MODES[mode])
-    assert -0.015 < allocated < 1e-3 if "autocast" in mode else abs(allocated) < 1e-3
+    assert -0.015 < allocated < 1e-3 if "autocast" in mode and ac == "none" else abs(allocated) < 1e-3
     assert abs(reserved) < 0.10
