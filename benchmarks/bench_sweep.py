@@ -5,8 +5,9 @@ seq_len 1024..16384 (5) x wrap (per block, every 2 / 4 / 8 blocks, whole model) 
 activation checkpointing x FULL_SHARD / SHARD_GRAD_OP x reduce dtype fp32 / bf16. Points run in a fixed
 shuffled order in chunks of CHUNK until the budget is spent, the rate of what ran extrapolated to all
 10,000; `all` runs every point in one call, as `fsdp-sim sweep` does (so `sweep_points` dispatches the
-points that allocate alike together, which a chunk of a shuffled order cannot). CPU time is this process's and its finished workers' (`resource`), so other
-work on a shared machine does not count; wall time is what a user waits.
+points that allocate alike together, which a chunk of a shuffled order cannot). CPU time is this process's
+and its finished workers' (`resource`), so other work on a shared machine does not count; wall time is
+what a user waits.
 
 Then one core's cost per point: parsing, simulating and reducing to a row (against the full `to_dict()`
 a `run` builds), and where a point's time goes by phase (cProfile's shares of parse, graph build, pricing

@@ -152,11 +152,17 @@ def _ready_times(ops, end: np.ndarray, issued: np.ndarray) -> dict[int, float]:
     return ready
 
 
-def step_plan(ops, events, persistent, issued: np.ndarray, end: np.ndarray, config: AllocatorConfig) -> StepPlan:
-    """The plan of `events` (the ledger's (op, buffer, +1/-1) in issue order)."""
+def optimizer_start(ops) -> int | None:
+    """The id of the first op of the optimizer phase (None: the step has none)."""
+    return next((op.id for op in ops if op.phase == "optimizer"), None)
+
+
+def step_plan(ops, events, persistent, issued: np.ndarray, end: np.ndarray, config: AllocatorConfig,
+              optimizer_from: int | None) -> StepPlan:
+    """The plan of `events` (the ledger's (op, buffer, +1/-1) in issue order); `optimizer_from` is
+    `optimizer_start(ops)`."""
     ready = _ready_times(ops, end, issued) if any(op.record_stream for op in ops if op.kind == "free") else {}
     period = float(max(end.max(), issued.max())) if len(end) else 0.0
-    optimizer_from = next((op.id for op in ops if op.phase == "optimizer"), None)
     lazy = [(b.id, b.nbytes) for b in persistent if b.category == "optimizer_states" and optimizer_from is not None]
     late = {i for i, _ in lazy}
     times = issued.tolist()
@@ -234,10 +240,11 @@ def replay_allocator(ops, events, persistent, issued: np.ndarray, end: np.ndarra
     `requests`, given where no free waits for a recorded stream (so no time moves the allocator), is
     what it sees of the events in order: (buffer ids, signed bytes, streams, op ids); with the
     persistent buffers, where the optimizer phase starts and the options, it keys `MEMO`."""
-    plan_of = partial(step_plan, ops, events, persistent, issued, end, config)
+    optimizer_from = optimizer_start(ops)
+    plan_of = partial(step_plan, ops, events, persistent, issued, end, config, optimizer_from)
     key = None
     if requests is not None:
-        key = _memo_key(ops, persistent, config, requests)
+        key = _memo_key(optimizer_from, persistent, config, requests)
         known = MEMO.get(key)
         if known is not None:
             return replace(known, plan_of=plan_of)
@@ -247,13 +254,12 @@ def replay_allocator(ops, events, persistent, issued: np.ndarray, end: np.ndarra
     return model
 
 
-def _memo_key(ops, persistent, config: AllocatorConfig, requests: tuple) -> bytes:
+def _memo_key(optimizer_from: int | None, persistent, config: AllocatorConfig, requests: tuple) -> bytes:
     """A digest of everything a replay reads when no time moves it: the options, the persistent buffers
     (the optimizer states among them created where the optimizer phase starts), and each event's buffer,
     signed bytes, stream and op (which places the optimizer phase among them). 32 bytes of BLAKE2b, so a
     remembered step costs its figures and timeline, not its event list."""
     buffers, deltas, streams, op_ids = requests
-    optimizer_from = next((op.id for op in ops if op.phase == "optimizer"), -1)
     h = hashlib.blake2b(repr((config, optimizer_from, [(b.id, b.nbytes, b.category) for b in persistent])).encode())
     for part in (buffers, deltas, op_ids):
         h.update(part.tobytes())
