@@ -30,7 +30,7 @@ def simulate(scenario: Scenario) -> StepResult:
         graph = build(scenario.workload, scenario.units, s)
         costs = op_costs(scenario)
         timing = play(graph.ops, costs.duration, host_s=costs.host_s, slowdown=costs.slowdown)
-        memory = replay(graph.ops, graph.persistent, timing.start, timing.issued, timing.end, scenario.allocator)
+        memory = replay(graph, timing.start, timing.issued, timing.end, scenario.allocator)
         return StepResult(scenario, graph, timing, memory, costs.times, costs.duration)
     finally:
         if paused:

@@ -69,7 +69,7 @@ def _row(result) -> dict:
     """The sweep figures of a step: what `to_dict()` gives, without the live buffers and the units."""
     memory = result.memory
     at = result.peak_row
-    op = memory.events[at - 1][0] if at else None
+    op = memory.op_at(at)
     reserved, allocated = memory.reserved_bytes, int(memory.total[at])
     mem = result.memory_summary({"reserved_bytes": reserved, "allocated_bytes": allocated})
     # a step that fits may do so only by the allocator releasing its cache and retrying, every step

@@ -130,7 +130,7 @@ def test_record_stream_in_the_ledger(second_issued, expected):
     g.alloc("compute", "y", "activations", 12 * MiB)
     start = np.array([0.0, 0.0, 0.5, second_issued])
     end = np.array([0.0, 2.0, 0.5, second_issued])
-    trace = replay(g.ops, g.persistent, start, start, end)
+    trace = replay(g, start, start, end)
     assert int(trace.total.max()) == 12 * MiB
     assert trace.allocator.first_step_reserved_bytes == expected * 12 * MiB
 
@@ -221,7 +221,7 @@ def test_a_steady_step_stopped_at_a_checkpoint_gives_the_full_replays_figures(pa
     for section, keys in overrides.items():
         data[section] = {**data[section], **keys}
     _, r = run(data)
-    args = (r.graph.ops, r.memory.events, r.memory.persistent, r.timing.issued, r.timing.end)
+    args = (r.graph.ops, r.memory.columns, r.memory.persistent, r.timing.issued, r.timing.end)
     stopped = []
     step = reserved._step
     monkeypatch.setattr(reserved, "_step", lambda *a, **k: (out := step(*a, **k), stopped.append(out[2]))[0])

@@ -97,7 +97,7 @@ def test_capped_step_closed_form(limit, oom, retries, reserved):
     under 24 MiB every steady step releases and retries twice; the unconstrained replay reserves 30 MiB."""
     g = _small_then_large()
     t = np.zeros(len(g.ops))
-    trace = replay(g.ops, g.persistent, t, t, t)
+    trace = replay(g, t, t, t)
     assert trace.allocator.reserved_bytes == 30 * MiB
     capped = trace.allocator.capped(limit)
     assert (capped.oom, capped.retries_per_step, capped.reserved_bytes) == (oom, retries, reserved)

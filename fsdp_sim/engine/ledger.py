@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from fsdp_sim.engine.allocator import AllocatorConfig
-from fsdp_sim.engine.reserved import ReservedModel, replay_allocator
-from fsdp_sim.schedule.ops import CATEGORIES, Buffer, Op
+from fsdp_sim.engine.reserved import MemoryEvents, ReservedModel, replay_allocator
+from fsdp_sim.schedule.ops import CATEGORIES, Buffer, Op, OpGraph
 
 _CAT_INDEX = {c: i for i, c in enumerate(CATEGORIES)}
 
@@ -32,10 +32,25 @@ class MemoryTrace:
     time: np.ndarray  # (n+1,) seconds
     levels: np.ndarray  # (n+1, len(CATEGORIES)) bytes per category after each event
     total: np.ndarray  # (n+1,) bytes after each event: each row of `levels` summed (from the events: a quarter of the time)
-    events: list[tuple[Op, Buffer, int]]  # (op, buffer, +1 alloc / -1 free), row i+1
+    columns: MemoryEvents  # the events (row i+1 is event i) as the allocator model reads them
+    ops: list[Op]  # the graph's, by op id
     persistent: list[Buffer]
-    live_at_end: list[Buffer]
     allocator: ReservedModel  # the caching allocator model's prediction (engine/reserved.py)
+
+    @property
+    def events(self) -> list[tuple[Op, Buffer, int]]:
+        """(op, buffer, +1 alloc / -1 free) of each event, row i+1."""
+        ops = self.ops
+        return [(ops[i], ops[i].buffer, 1 if a else -1)
+                for i, a in zip(self.columns.op_ids.tolist(), self.columns.allocs.tolist())]
+
+    def op_at(self, row: int) -> Op | None:
+        """The op of event `row` (None for row 0, the persistent state)."""
+        return self.ops[int(self.columns.op_ids[row - 1])] if row else None
+
+    @property
+    def live_at_end(self) -> list[Buffer]:
+        return self.live_at(len(self.total) - 1)
 
     @property
     def reserved_bytes(self) -> int:
@@ -58,59 +73,60 @@ class MemoryTrace:
         return list(live.values())
 
 
-def replay(ops: list[Op], persistent: list[Buffer], start: np.ndarray, issued: np.ndarray | None = None,
-           end: np.ndarray | None = None, allocator: AllocatorConfig = AllocatorConfig()) -> MemoryTrace:
-    """Apply every alloc/free op in issue order; refuse a double free or a free of a dead buffer.
+def replay(graph: OpGraph, start: np.ndarray, issued: np.ndarray | None = None, end: np.ndarray | None = None,
+           allocator: AllocatorConfig = AllocatorConfig()) -> MemoryTrace:
+    """Apply every alloc/free of `graph` in issue order; refuse a double free or a free of a dead buffer.
 
     `start` stamps the events; `issued` (when the CPU issues each op: when the allocator runs) and `end`
     (when a recorded stream's work completes) time the allocator model, `start` standing in for both
-    when they are not given.
+    when they are not given. The events are the graph's columns, checked and summed in numpy.
     """
-    live: dict[int, Buffer] = {b.id: b for b in persistent}
+    ops, persistent, n = graph.ops, graph.persistent, len(graph.memory_ops)
+    op_ids = np.fromiter(graph.memory_ops, dtype=np.intp, count=n)
+    bufs = np.fromiter(graph.memory_buffers, dtype=np.intp, count=n)
+    step = np.fromiter(graph.memory_bytes, dtype=np.int64, count=n)  # fromiter: half the time of np.array on a list
+    allocs = step > 0
+    for i in np.flatnonzero(step == 0).tolist():  # a buffer of no bytes: its op says which it is
+        allocs[i] = ops[op_ids[i]].kind == "alloc"
+    _check(graph, op_ids, bufs, allocs)
     initial = np.zeros(len(CATEGORIES), dtype=np.int64)
     for b in persistent:
         initial[_CAT_INDEX[b.category]] += b.nbytes
-    ids, cats, deltas, events, bufs, streams = [], [], [], [], [], []
-    waits = False  # a free with record_stream: the allocator's replay then depends on the times
-    for op in ops:
-        kind = op.kind
-        if kind == "alloc":
-            buf = op.buffer
-            if buf.id in live:
-                raise LedgerError(f"buffer {buf.name!r} allocated twice")
-            live[buf.id] = buf
-            deltas.append(buf.nbytes)
-            events.append((op, buf, 1))
-        elif kind == "free":
-            buf = op.buffer
-            if live.pop(buf.id, None) is None:
-                raise LedgerError(f"buffer {buf.name!r} freed twice or never allocated (op {op.name!r}, {op.phase})")
-            deltas.append(-buf.nbytes)
-            events.append((op, buf, -1))
-            waits = waits or bool(op.record_stream)
-        else:
-            continue
-        ids.append(op.id)
-        bufs.append(buf.id)
-        streams.append(op.stream)
-        cats.append(_CAT_INDEX[buf.category])
-    n = len(events)
-    step = np.fromiter(deltas, dtype=np.int64, count=n)  # fromiter: half the time of np.array on a list
+    category = np.fromiter((_CAT_INDEX[b.category] for b in graph.buffers), dtype=np.intp, count=len(graph.buffers))
     times = np.empty(n + 1)  # each event when its stream reaches it, never before the one before it
     times[0] = 0.0
-    op_ids = np.fromiter(ids, dtype=np.intp, count=n)
     times[1:] = start[op_ids]
     np.maximum.accumulate(times, out=times)
     delta = np.zeros((n + 1, len(CATEGORIES)), dtype=np.int64)  # bytes are exact integers
     delta[0] = initial
-    delta[np.arange(1, n + 1), np.fromiter(cats, dtype=np.intp, count=n)] = step
+    delta[np.arange(1, n + 1), category[bufs]] = step
     levels = np.cumsum(delta, axis=0, out=delta)
     if levels.min() < 0:
         row, col = np.argwhere(levels < 0)[0]
-        raise LedgerError(f"{CATEGORIES[col]} went negative at event {row} ({events[row - 1][1].name!r})")
+        raise LedgerError(f"{CATEGORIES[col]} went negative at event {row} ({graph.buffers[bufs[row - 1]].name!r})")
     total = np.cumsum(np.concatenate(([initial.sum()], step)))
-    # what the allocator sees of the events, in order, the times aside: the key of its memo (reserved.py)
-    requests = None if waits else (np.fromiter(bufs, dtype=np.intp, count=n), step, streams, op_ids)
-    model = replay_allocator(ops, events, persistent, start if issued is None else issued,
-                             start if end is None else end, allocator, requests=requests)
-    return MemoryTrace(times, levels, total, events, list(persistent), list(live.values()), model)
+    columns = MemoryEvents(op_ids, bufs, step, allocs, graph.memory_streams)
+    model = replay_allocator(ops, columns, persistent, start if issued is None else issued,
+                             start if end is None else end, allocator, timeless=not graph.recorded_frees)
+    return MemoryTrace(times, levels, total, columns, ops, list(persistent), model)
+
+
+def _check(graph: OpGraph, op_ids: np.ndarray, bufs: np.ndarray, allocs: np.ndarray) -> None:
+    """Every buffer allocated at most once, and freed at most once, after its allocation (or persistent)."""
+    n = max(len(graph.buffers), int(bufs.max()) + 1 if len(bufs) else 0)  # a buffer from elsewhere: never allocated
+    made = np.full(n, len(op_ids), dtype=np.intp)  # the event that allocates each buffer (-1: persistent)
+    made[[b.id for b in graph.persistent]] = -1
+    allocated, freed = bufs[allocs], bufs[~allocs]
+    twice = np.flatnonzero(np.bincount(allocated, minlength=n) > 1)
+    if len(twice) or (made[allocated] < 0).any():
+        buf = graph.buffers[twice[0] if len(twice) else allocated[made[allocated] < 0][0]]
+        raise LedgerError(f"buffer {buf.name!r} allocated twice")
+    made[allocated] = np.flatnonzero(allocs)
+    at = np.flatnonzero(~allocs)
+    bad = made[freed] > at
+    order = np.argsort(freed, kind="stable")  # a buffer's frees after its first
+    bad[order[1:]] |= freed[order[1:]] == freed[order[:-1]]
+    if bad.any():
+        k = int(at[np.argmax(bad)])
+        op = graph.ops[op_ids[k]]
+        raise LedgerError(f"buffer {op.buffer.name!r} freed twice or never allocated (op {op.name!r}, {op.phase})")

@@ -43,6 +43,17 @@ CHECKPOINTS = (8, 4, 2)
 
 
 @dataclass(frozen=True, slots=True)
+class MemoryEvents:
+    """The ledger's allocs and frees in issue order, as columns (the graph's, `OpGraph.memory_ops`...)."""
+
+    op_ids: np.ndarray  # each event's op (rising)
+    buffers: np.ndarray  # its buffer's id
+    deltas: np.ndarray  # signed bytes: + alloc, - free
+    allocs: np.ndarray  # bool: an alloc (a buffer of no bytes has delta 0 either way)
+    streams: list[str]  # its stream
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     """The ledger's events as the allocator plays them, built once for every step of every replay."""
 
@@ -157,29 +168,29 @@ def optimizer_start(ops) -> int | None:
     return next((op.id for op in ops if op.phase == "optimizer"), None)
 
 
-def step_plan(ops, events, persistent, issued: np.ndarray, end: np.ndarray, config: AllocatorConfig,
+def step_plan(ops, events: MemoryEvents, persistent, issued: np.ndarray, end: np.ndarray, config: AllocatorConfig,
               optimizer_from: int | None) -> StepPlan:
-    """The plan of `events` (the ledger's (op, buffer, +1/-1) in issue order); `optimizer_from` is
-    `optimizer_start(ops)`."""
+    """The plan of `events` (the ledger's, in issue order); `optimizer_from` is `optimizer_start(ops)`."""
     ready = _ready_times(ops, end, issued) if any(op.record_stream for op in ops if op.kind == "free") else {}
     period = float(max(end.max(), issued.max())) if len(end) else 0.0
     lazy = [(b.id, b.nbytes) for b in persistent if b.category == "optimizer_states" and optimizer_from is not None]
     late = {i for i, _ in lazy}
-    times = issued.tolist()
     plan, pools = [], {}  # pools: (stream, bytes) -> (rounded bytes, pool), as buffers repeat their sizes
-    for op, buf, sign in events:
-        if sign > 0:
-            pool = pools.get((op.stream, buf.nbytes))
+    for buf, nbytes, alloc, stream, now, op in zip(events.buffers.tolist(), events.deltas.tolist(),
+                                                   events.allocs.tolist(), events.streams,
+                                                   issued[events.op_ids].tolist(), events.op_ids.tolist()):
+        if alloc:
+            pool = pools.get((stream, nbytes))
             if pool is None:
-                size = round_size(buf.nbytes)
-                pool = pools[op.stream, buf.nbytes] = size, pool_key(op.stream, size)
-            plan.append((buf.id, buf.nbytes, *pool, times[op.id], None))
+                size = round_size(nbytes)
+                pool = pools[stream, nbytes] = size, pool_key(stream, size)
+            plan.append((buf, nbytes, *pool, now, None))
         else:
-            plan.append((buf.id, -buf.nbytes, 0, None, times[op.id], ready.get(op.id)))
-    lazy_at = next((i for i, (op, _, _) in enumerate(events) if op.id >= optimizer_from), len(events)) if lazy else len(events)
+            plan.append((buf, nbytes, 0, None, now, ready.get(op)))
+    n = len(plan)
+    lazy_at = int(np.searchsorted(events.op_ids, optimizer_from)) if lazy else n  # op ids rise with the events
     return StepPlan(config, [(b.id, b.nbytes) for b in persistent if b.id not in late], lazy, lazy_at,
-                    plan[lazy_at][4] if lazy_at < len(plan) else period, plan, frozenset(b.id for b in persistent),
-                    period)
+                    plan[lazy_at][4] if lazy_at < n else period, plan, frozenset(b.id for b in persistent), period)
 
 
 def _start(plan: StepPlan, alloc: CachingAllocator) -> dict:
@@ -227,24 +238,24 @@ def _step(plan: StepPlan, alloc: CachingAllocator, kept: dict, step: int, record
     return reserved, marks, False
 
 
-def replay_allocator(ops, events, persistent, issued: np.ndarray, end: np.ndarray,
-                     config: AllocatorConfig = AllocatorConfig(), *, requests: tuple | None = None) -> ReservedModel:
-    """Play `events` (the ledger's (op, buffer, +1/-1) in issue order) on the allocator model, the first
-    step with lazily created optimizer states, then steady steps (see the module).
+def replay_allocator(ops, events: MemoryEvents, persistent, issued: np.ndarray, end: np.ndarray,
+                     config: AllocatorConfig = AllocatorConfig(), *, timeless: bool = False) -> ReservedModel:
+    """Play `events` (the ledger's, in issue order) on the allocator model, the first step with lazily
+    created optimizer states, then steady steps (see the module).
 
     A steady step that stops early at a checkpoint (`_step`) ends as the step before it ended, so what is
     read off the last step (what empty_cache would return) is read at the end of the one before. Only
     without `record_stream` frees: with them a step's end leaves events pending that the final
     synchronize would complete.
 
-    `requests`, given where no free waits for a recorded stream (so no time moves the allocator), is
-    what it sees of the events in order: (buffer ids, signed bytes, streams, op ids); with the
-    persistent buffers, where the optimizer phase starts and the options, it keys `MEMO`."""
+    `timeless`: no free waits for a recorded stream, so no time moves the allocator; then what it sees
+    (each event's buffer, bytes, stream and op, the persistent buffers, where the optimizer phase starts
+    and the options) keys `MEMO`."""
     optimizer_from = optimizer_start(ops)
     plan_of = partial(step_plan, ops, events, persistent, issued, end, config, optimizer_from)
     key = None
-    if requests is not None:
-        key = _memo_key(optimizer_from, persistent, config, requests)
+    if timeless:
+        key = _memo_key(optimizer_from, persistent, config, events)
         known = MEMO.get(key)
         if known is not None:
             return replace(known, plan_of=plan_of)
@@ -254,16 +265,15 @@ def replay_allocator(ops, events, persistent, issued: np.ndarray, end: np.ndarra
     return model
 
 
-def _memo_key(optimizer_from: int | None, persistent, config: AllocatorConfig, requests: tuple) -> bytes:
+def _memo_key(optimizer_from: int | None, persistent, config: AllocatorConfig, events: MemoryEvents) -> bytes:
     """A digest of everything a replay reads when no time moves it: the options, the persistent buffers
     (the optimizer states among them created where the optimizer phase starts), and each event's buffer,
-    signed bytes, stream and op (which places the optimizer phase among them). 32 bytes of BLAKE2b, so a
+    bytes, kind, stream and op (which places the optimizer phase among them). 32 bytes of BLAKE2b, so a
     remembered step costs its figures and timeline, not its event list."""
-    buffers, deltas, streams, op_ids = requests
     h = hashlib.blake2b(repr((config, optimizer_from, [(b.id, b.nbytes, b.category) for b in persistent])).encode())
-    for part in (buffers, deltas, op_ids):
+    for part in (events.buffers, events.deltas, events.allocs, events.op_ids):
         h.update(part.tobytes())
-    h.update("\0".join(streams).encode())
+    h.update("\0".join(events.streams).encode())
     return h.digest()
 
 

@@ -207,7 +207,7 @@ class StepResult:
         row = self.peak_row
         levels = self.memory.levels[row]
         allocated = int(levels.sum())
-        op = self.memory.events[row - 1][0] if row else None
+        op = self.memory.op_at(row)
         reserved = self.memory.reserved_bytes
         by_category = {c: int(v) for c, v in zip(CATEGORIES, levels)}  # sums to allocated; overheads: memory_summary
         live = sorted(self.memory.live_at(row), key=lambda b: (-b.nbytes, b.id))[:top]
@@ -227,7 +227,7 @@ class StepResult:
         what `empty_cache` would return after the step; the first step (no optimizer states before its
         optimizer step) beside the steady state."""
         model, config = self.memory.allocator, self.scenario.allocator
-        first = self.memory.events[model.first_step_row - 1][0] if model.first_step_row else None
+        first = self.memory.op_at(model.first_step_row)
         capped = self.capped_replay()
         split = {} if config.max_split_size is None else {"max_split_size_bytes": config.max_split_size}  # None: unlimited
         return {"expandable_segments": config.expandable_segments, **split,

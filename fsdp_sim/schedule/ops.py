@@ -68,6 +68,13 @@ class OpGraph:
         self.host = None  # pinned host memory of the rank (schedule/offload.py HostMemory) when anything is offloaded
         self.phase = "forward"
         self.unit = ""
+        # the allocs and frees in issue order as columns, what the ledger reads without a pass over the ops:
+        # each one's op id, buffer id, signed bytes (+ alloc, - free) and stream
+        self.memory_ops: list[int] = []
+        self.memory_buffers: list[int] = []
+        self.memory_bytes: list[int] = []
+        self.memory_streams: list[str] = []
+        self.recorded_frees = False  # some free names a recorded stream (`record_stream`)
         self._stream_waits: dict[str, list[Op]] = {}  # wait_event: deps for the next op on a stream
         self._synchronize: Op | None = None  # synchronize: the CPU waits it before issuing the next op
 
@@ -107,6 +114,7 @@ class OpGraph:
         if self._stream_waits or self._synchronize is not None:
             self._take_waits(op)
         self.ops.append(op)
+        self._memory_event(op.id, buf.id, buf.nbytes, stream)
         return buf
 
     def free(self, stream: str, buf: Buffer, *, deps=(), record_stream: str = "") -> Op:
@@ -118,7 +126,16 @@ class OpGraph:
         if self._stream_waits or self._synchronize is not None:
             self._take_waits(op)
         self.ops.append(op)
+        self._memory_event(op.id, buf.id, -buf.nbytes, stream)
+        if record_stream:
+            self.recorded_frees = True
         return op
+
+    def _memory_event(self, op: int, buf: int, nbytes: int, stream: str) -> None:
+        self.memory_ops.append(op)
+        self.memory_buffers.append(buf)
+        self.memory_bytes.append(nbytes)
+        self.memory_streams.append(stream)
 
     def persistent_alloc(self, name: str, category: str, nbytes: int) -> Buffer:
         """State alive before the step starts and after it ends (sharded params, optimizer states)."""

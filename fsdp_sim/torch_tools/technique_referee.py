@@ -170,7 +170,7 @@ def compare(case: tuple) -> tuple[dict, dict]:
         memory = simulate(parse_scenario(data, name="referee")).memory
         # the level entering the phase counts: the step runs on what backward left before its first free
         sim["optimizer_peak_bytes"] = int(max(memory.total[row - 1:row + 1].max() for row in range(1, len(memory.total))
-                                              if memory.events[row - 1][0].phase == "optimizer"))
+                                              if memory.op_at(row).phase == "optimizer"))
         tracker["optimizer_peak_bytes"] = max(e["Total"] for e in tracker["timeline"] if e["where"]["phase"] == "optimizer")
     return sim, tracker
 
