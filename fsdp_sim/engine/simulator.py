@@ -373,9 +373,11 @@ class _IssueThread:
 def play(ops: list[Op], duration: Callable[[Op], float], *, host_s: Callable[[Op], float] | None = None,
          slowdown: Slowdown | None = None) -> Timing:
     """Simulate `ops` (issue order); `duration(op)` prices timed ops alone on the GPU (alloc and free take
-    no time), `host_s(op)` is the CPU issue thread's cost of op (none if omitted), `slowdown(op, running)`
+    no time), `host_s(op)` is the CPU issue thread's cost of a timed op (none if omitted), `slowdown(op, running)`
     the factor >= 1 by which op runs slower beside the ops in `running` (none if omitted)."""
-    host = list(map(host_s, ops)) if host_s is not None else [0.0] * len(ops)  # asked once, kept for _IssueThread
+    # asked once, kept for _IssueThread; an alloc or free costs the issue thread nothing of its own (the
+    # caching allocator runs inside the launch of the kernel that needs the memory)
+    host = [0.0 if op.kind not in _TIMED else host_s(op) for op in ops] if host_s is not None else [0.0] * len(ops)
     issued = list(accumulate(host))
     first_wait = next((op.id for op in ops if op.cpu_wait >= 0), -1)
     if first_wait >= 0:  # issue times past the first synchronize are known only as the step plays

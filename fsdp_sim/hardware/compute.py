@@ -73,9 +73,6 @@ class ComputeCosts:
         return self.times(op).total
 
     def host_s(self, op: Op) -> float:
-        """The CPU issue thread's time for op: its kernel launches (a collective is one launch)."""
-        kind = op.kind
-        if kind == "alloc" or kind == "free":
-            return 0.0
+        """The CPU issue thread's time for a timed op: its kernel launches (a collective is one launch)."""
         cost = self._launch[op.phase.startswith("backward")]
-        return cost if kind in COLLECTIVES else self.times(op).launches * cost
+        return cost if op.kind in COLLECTIVES else self.times(op).launches * cost

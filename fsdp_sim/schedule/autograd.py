@@ -127,8 +127,8 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
 
     # ---- optimizer ------------------------------------------------------------------------------
     def optimizer_shards(self) -> list[int]:
-        """The local elements of each tensor the optimizer steps: FSDP2's per-parameter dim-0 shards
-        (FSDP1 overrides it with one flat shard per unit)."""
+        """The local elements of each tensor the optimizer steps: plain training's whole parameters (FSDP2
+        overrides it with its per-parameter dim-0 shards, FSDP1 with one flat shard per unit)."""
         return [n for u in self.units for n in unit_shards(u, self.s).trainable]
 
     def optimizer_temporaries(self, cost: StepCost) -> tuple[int, ...]:

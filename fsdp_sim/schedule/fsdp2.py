@@ -53,6 +53,10 @@ class FSDP2Runtime(FSDPWalk, GradientReduction, Float8AllGather):
         self.all_reduce_grads = True
         self.reshard_after_backward = True
 
+    def optimizer_shards(self) -> list[int]:
+        """The per-parameter dim-0 shards the optimizer steps, as `__init__` looked them up."""
+        return [n for u in self.units for n in self.shards[u.name].trainable]
+
     def optimizer_temporaries(self, cost: StepCost) -> tuple[int, ...]:
         """One block: the per-parameter shards are 1/N of a parameter, and apart they would add two events
         per parameter to every step (+30 % or more a point on the 10,000-point llama3-8b grid) to move reserved by

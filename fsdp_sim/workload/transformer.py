@@ -358,6 +358,14 @@ def recipe_gemm_shapes(recipe: dict) -> dict[str, tuple[int, ...]]:
     return _gemm_shapes(_items(recipe))
 
 
+@lru_cache(maxsize=1024)
+def _shared_block_params(d: TransformerDims, prefix: str) -> tuple[Param, ...]:
+    """`block_params` as one tuple per model and block, shared by the workloads of every micro-batch and
+    sequence length: a sweep's units then hold the same Param objects, so the unit caches keyed on them
+    (param_dtypes.py `unit_shards`) compare them by identity instead of field by field."""
+    return tuple(block_params(d, prefix))
+
+
 @lru_cache(maxsize=256)  # a sweep's points share shapes (a 10,000-point grid has 125); a Workload is frozen
 def build_transformer(d: TransformerDims, *, micro_batch: int, seq_len: int, act_dtype: str, name: str) -> Workload:
     """The workload of one forward/backward of a decoder LM with a cross-entropy loss on fp32 logits."""
@@ -386,9 +394,8 @@ def build_transformer(d: TransformerDims, *, micro_batch: int, seq_len: int, act
     kernels = block_kernels(d, b, s, p, causal=True)
     fwd, bwd = sum(k.fwd_flops for k in kernels), sum(k.bwd_flops for k in kernels)
     for i in range(d.layers):
-        params = tuple(block_params(d, f"layers.{i}"))
         modules.append(Module(
-            f"layers.{i}", "block", params, fwd_flops=fwd, bwd_flops=bwd,
+            f"layers.{i}", "block", _shared_block_params(d, f"layers.{i}"), fwd_flops=fwd, bwd_flops=bwd,
             fwd_hbm_bytes=2 * (act.saved + bsh), saved_bytes=act.saved, fwd_temp_bytes=act.fwd_temp,
             bwd_temp_bytes=act.bwd_temp, bwd_tail_bytes=act.bwd_tail, nosave_fwd_peak_bytes=act.nosave_peak,
             output_bytes=bsh, saves_input=act.saves_input, is_block=True, kernels=kernels))
