@@ -8,7 +8,6 @@ impossible combination raises `ScenarioError` naming the key and what was expect
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from fsdp_sim.schedule.plain import plain_version
 from fsdp_sim.schedule.settings import FSDPSettings, post_forward_size
 from fsdp_sim.scientific import from_scientific
 from fsdp_sim.workload import PRESETS, TransformerDims, Workload, build_transformer
+from fsdp_sim.workload.model import derived
 from fsdp_sim.workload.transformer import DIM_LIMITS, MAX_LAYERS, MAX_SEQ
 from fsdp_sim.workload.checkpointing import MODES as AC_MODES, ac_frequency
 from fsdp_sim.workload.loss import LOSSES, apply_loss
@@ -130,26 +130,6 @@ MAX_MICRO_BATCH, MAX_GRAD_ACCUMULATION = 1 << 20, 4096
 MAX_NODES, MAX_GPUS_PER_NODE = 1 << 16, 1024
 
 
-_BY_WORKLOAD: dict[int, tuple[Workload, dict]] = {}  # id -> (the workload, what was derived from it by key)
-MAX_REMEMBERED_WORKLOADS = 256  # as many as build_transformer keeps
-
-
-def _derived(workload: Workload, key: Any, derive: Callable[[], Any]) -> Any:
-    """`derive()`, remembered for this workload object and `key` (what is derived, with the other arguments
-    it takes). A sweep's points share workloads (build_transformer caches them), and a workload's module
-    bytes and FSDP units are over half of a parse. The object is a complete key: a Workload, its modules and
-    parameters are frozen; it is held here, so its id is not another's while remembered."""
-    entry = _BY_WORKLOAD.get(id(workload))
-    if entry is None or entry[0] is not workload:
-        if len(_BY_WORKLOAD) >= MAX_REMEMBERED_WORKLOADS:
-            _BY_WORKLOAD.clear()
-        entry = _BY_WORKLOAD[id(workload)] = (workload, {})
-    found = entry[1]
-    if key not in found:
-        found[key] = derive()
-    return found[key]
-
-
 def _module_bytes(workload: Workload) -> tuple[int, int]:
     """(the largest module's bytes, all modules' bytes) as `_check_scale` bounds them."""
     largest = total = 0
@@ -163,7 +143,7 @@ def _module_bytes(workload: Workload) -> tuple[int, int]:
 def _check_scale(workload: Workload, grad_accumulation: int = 1) -> None:
     """Refuse sizes no GPU step has (a typo such as hidden: 1e9), before they overflow the arithmetic, and
     a step whose simulation would run past MAX_MODULE_PASSES modules x micro-batches."""
-    largest, total = _derived(workload, "module bytes", lambda: _module_bytes(workload))
+    largest, total = derived(workload, "module bytes", lambda: _module_bytes(workload))
     if largest > MAX_BYTES or total > MAX_TOTAL_BYTES:
         what = (f"a module of {show(workload.name)} would need {largest / (1 << 50):.3g} PiB" if largest > MAX_BYTES
                 else f"{show(workload.name)} would need {total / (1 << 50):.3g} PiB in all")
@@ -424,7 +404,7 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
         _check_trace_times(workload, gpu.matmul_peak(param_dtype, options.allow_tf32), gpu.name)
     float8 = parse_float8(compute.get("float8"), gpu, reshard)  # torchao float8 Linears (workload/float8.py)
     workload, float8_weights = float8_workload(workload, float8)
-    units = list(_derived(workload, ("units", wrap, k, min_params),  # a list of its own: Scenario.units
+    units = list(derived(workload, ("units", wrap, k, min_params),  # a list of its own: Scenario.units
                           lambda: tuple(make_units(workload, wrap, k=k, min_params=min_params))))
     output_dtype, unit_output_dtype = _output_dtype(mp.get("output_dtype"), units, dtypes)
     settings = FSDPSettings(shard_size=shard_size, replicate_size=world // shard_size, reshard_after_forward=reshard,

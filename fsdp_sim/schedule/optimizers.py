@@ -44,6 +44,7 @@ Two optimizers keep other states than fp32 copies of the parameter (`state_bytes
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import math
 
@@ -86,8 +87,14 @@ def states_per_param(optimizer: str, momentum: bool) -> int:
     return {"adamw": 2, "adam": 2, "sgd": 1 if momentum else 0}[optimizer]
 
 
-def state_bytes(optimizer: str, momentum: bool, shapes: list[tuple[int, ...]], itemsize: int) -> int:
-    """Bytes of optimizer state over local tensors of `shapes` stored `itemsize` bytes an element."""
+def state_bytes(optimizer: str, momentum: bool, shapes, itemsize: int) -> int:
+    """Bytes of optimizer state over local tensors of `shapes` stored `itemsize` bytes an element
+    (remembered: every point of a sweep asks it again for each unit's shards)."""
+    return _state_bytes(optimizer, momentum, tuple(shapes), itemsize)
+
+
+@lru_cache(maxsize=4096)
+def _state_bytes(optimizer: str, momentum: bool, shapes: tuple[tuple[int, ...], ...], itemsize: int) -> int:
     if optimizer == "adamw8bit":
         total = 0
         for shape in shapes:

@@ -21,11 +21,11 @@ activation_checkpoint.py`, `apply_ac`), each a non-reentrant `checkpoint_wrapper
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from fsdp_sim.dtypes import itemsize
 from fsdp_sim.errors import ScenarioError
-from fsdp_sim.workload.model import Kernel, Module, Workload
+from fsdp_sim.workload.model import Kernel, Module, Workload, derived
 
 MODES = ("none", "full", "selective_layer", "selective_op")
 
@@ -42,10 +42,10 @@ class Checkpoint:
     cache_bytes: int = 0
     shared_bytes: int = 0
     recompute_kernels: tuple[Kernel, ...] = ()
+    recompute_flops: float = field(init=False, repr=False, compare=False)  # what the recompute reruns
 
-    @property
-    def recompute_flops(self) -> float:
-        return sum(k.fwd_flops for k in self.recompute_kernels if k.recompute)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute_flops", sum(k.fwd_flops for k in self.recompute_kernels if k.recompute))
 
 
 def output_bytes(k: Kernel, p: int) -> int:
@@ -78,7 +78,12 @@ def op_policy(m: Module, p: int) -> Checkpoint:
 
 
 def checkpoint_plans(workload: Workload, mode: str, every: int) -> dict[str, Checkpoint]:
-    """The checkpointed blocks of `workload` by name, each with how it runs (see the module docstring)."""
+    """The checkpointed blocks of `workload` by name, each with how it runs (see the module docstring);
+    remembered for the workload (`derived`), read-only."""
+    return derived(workload, ("checkpoint plans", mode, every), lambda: _plans(workload, mode, every))
+
+
+def _plans(workload: Workload, mode: str, every: int) -> dict[str, Checkpoint]:
     if mode == "none":
         return {}
     blocks = [m for m in workload.modules if m.is_block]

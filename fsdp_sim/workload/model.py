@@ -33,7 +33,9 @@ Sizes are for `activation_dtype`; a scenario with another compute dtype scales t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +46,11 @@ class Param:
     shape: tuple[int, ...]
     dtype: str = "fp32"
     trainable: bool = True
+
+    def __hash__(self) -> int:
+        """The name's (cached by the string): equal parameters share it, and the caches keyed on a unit's
+        parameters (param_dtypes.py `unit_shards`) hash every one of them at every sweep point."""
+        return hash(self.name)
 
     @property
     def numel(self) -> int:
@@ -191,3 +198,24 @@ class Workload:
             for k in m["kernels"]:
                 k["shape"] = list(k["shape"])
         return d
+
+
+_BY_WORKLOAD: dict[int, tuple[Workload, dict]] = {}  # id -> (the workload, what was derived from it by key)
+MAX_REMEMBERED_WORKLOADS = 256  # as many as build_transformer keeps
+
+
+def derived(workload: Workload, key: Any, derive: Callable[[], Any]) -> Any:
+    """`derive()`, remembered for this workload object and `key` (what is derived, with the other arguments
+    it takes). A sweep's points share workloads (build_transformer caches them), and what the parse and the
+    runtimes derive from one (its module bytes, FSDP units, checkpoint plans) would otherwise be redone at
+    every point. The object is a complete key: a Workload, its modules and parameters are frozen; it is
+    held here, so its id is not another's while remembered. What is remembered is shared: read-only."""
+    entry = _BY_WORKLOAD.get(id(workload))
+    if entry is None or entry[0] is not workload:
+        if len(_BY_WORKLOAD) >= MAX_REMEMBERED_WORKLOADS:
+            _BY_WORKLOAD.clear()
+        entry = _BY_WORKLOAD[id(workload)] = (workload, {})
+    found = entry[1]
+    if key not in found:
+        found[key] = derive()
+    return found[key]
