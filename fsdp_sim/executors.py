@@ -161,9 +161,12 @@ def open_runner(executor: str = "local", *, jobs: int | None = None, scheduler: 
     cluster = None
     try:
         if executor == "dask-local":
+            # CRITICAL: the cluster is this sweep's, closed by it, and its shutdown can race (a worker's
+            # heartbeat to the closed scheduler logs a CommClosedError traceback after the rows are in);
+            # a task that fails still reaches the sweep through its future
             cluster = distributed.LocalCluster(n_workers=jobs or os.cpu_count() or 1, threads_per_worker=1,
                                                processes=processes, dashboard_address=":0",
-                                               silence_logs=logging.ERROR)
+                                               silence_logs=logging.CRITICAL)
             client = distributed.Client(cluster)
         else:
             client = distributed.Client(scheduler, timeout=timeout_s)
