@@ -307,7 +307,7 @@ def _replay(plan: StepPlan) -> ReservedModel:
     reserved = alloc.reserved
     alloc.close()
     first_peak, first_row = _first_step_peak(plan)
-    return ReservedModel(np.array(timeline, dtype=np.int64), reserved, first_peak, first_row, first_reserved,
+    return ReservedModel(np.fromiter(timeline, dtype=np.int64, count=len(timeline)), reserved, first_peak, first_row, first_reserved,
                          releasable, by_stream, steps, lambda: plan, _plan=plan)
 
 

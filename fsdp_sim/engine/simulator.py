@@ -396,7 +396,8 @@ def play(ops: list[Op], duration: Callable[[Op], float], *, host_s: Callable[[Op
     if not all(player.finished):
         first = next(op for op, done in zip(ops, player.finished) if not done)
         raise RuntimeError(f"deadlock: ops never ran, first {first.name!r}")
-    return Timing(np.array(player.start), np.array(player.end), np.array(issued))
+    n = len(ops)  # fromiter: two thirds of np.array's time on a list of floats
+    return Timing(*(np.fromiter(times, dtype=np.float64, count=n) for times in (player.start, player.end, issued)))
 
 
 def _queues(ops: list[Op], duration: Callable[[Op], float]) -> tuple[dict[str, list[tuple]], dict[str, list[tuple]]]:
