@@ -10,8 +10,9 @@ and its finished workers' (`resource`), so other work on a shared machine does n
 what a user waits.
 
 Then one core's cost per point: parsing, simulating and reducing to a row (against the full `to_dict()`
-a `run` builds), and where a point's time goes by phase (cProfile's shares of parse, graph build, pricing
-and play, memory replay, row, scaled to the unprofiled time).
+a `run` builds), and where a point's time goes by phase over points in a worker's order (cProfile's shares
+of parse, graph build, pricing and play, memory replay, row, scaled to the unprofiled time; a sampling
+profiler such as py-spy gives the build less and the replay more).
 
 EXECUTORS (comma-separated, default local) are where the points run (fsdp_sim/executors.py): `local`
 processes, `dask-local` (a Dask LocalCluster of JOBS single-threaded worker processes; its start-up is
@@ -32,11 +33,12 @@ import time
 from pathlib import Path
 
 from fsdp_sim.datafile import read_data
+from fsdp_sim.engine.reserved import MEMO
 from fsdp_sim.executors import open_runner
 from fsdp_sim.grid import combine, load_grid
 from fsdp_sim.scenario import parse_scenario
 from fsdp_sim.simulate import simulate
-from fsdp_sim.sweep import _row, points, run_point, sweep_points
+from fsdp_sim.sweep import _row, dispatch_order, points, run_point, sweep_points
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = ROOT / "scenarios" / "llama3-8b-8xh100.yaml"
@@ -101,12 +103,20 @@ def one_core(repeats: int = 30) -> None:
 
 
 def phases(n: int = 200) -> None:
-    """CPU ms per point by phase over `n` points of the grid, in this process."""
-    sample = _todo()[:n]
+    """CPU ms per point by phase over `n` points of the grid in a worker's order (consecutive points of
+    `dispatch_order`, from the middle of the grid), each run with the allocator memo empty at its start, as a
+    worker's is; cProfile's shares overstate the parts that make many small calls (the graph build)."""
+    todo = _todo()
+    order = dispatch_order(todo)
+    sample = [todo[i] for i in order[len(order) // 2:len(order) // 2 + n]]
+    for data in sample:  # prices and workloads, as a worker has them after its first points
+        run_point(data, SCENARIO.parent)
+    MEMO.clear()
     t0 = time.process_time()
     for data in sample:
         run_point(data, SCENARIO.parent)
     per_point = (time.process_time() - t0) / n
+    MEMO.clear()
     profile = cProfile.Profile()
     profile.runcall(lambda: [run_point(data, SCENARIO.parent) for data in sample])
     stats = pstats.Stats(profile).stats  # (file, line, function) -> (calls, _, own s, cumulative s, callers)
@@ -114,7 +124,7 @@ def phases(n: int = 200) -> None:
     share = {phase: sum(cum for (file, _, fn), (*_, cum, _) in stats.items() if file.endswith(suffix) and fn == name)
              / total for phase, (suffix, name) in PHASES.items()}
     share["other"] = 1.0 - sum(share.values())
-    print(f"one core, {n} grid points: {per_point * 1e3:.2f} CPU ms per point ({1 / per_point:.0f} configurations/s); "
+    print(f"one core, {n} grid points in a worker's order: {per_point * 1e3:.2f} CPU ms per point ({1 / per_point:.0f} configurations/s); "
           "by phase (cProfile shares): " + ", ".join(f"{k} {v * per_point * 1e3:.2f} ms ({v:.0%})" for k, v in share.items()))
 
 
