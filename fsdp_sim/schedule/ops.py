@@ -58,11 +58,33 @@ class Op:
     cpu_wait: int = -1  # the op whose end the CPU issue thread waits for before issuing this one (Event.synchronize)
 
 
+@dataclass(slots=True)
+class MemoryOp:
+    """An alloc or free: an `Op` that does no work, so the fields only work has are constants of the class
+    (two of every three ops are these, and a graph builds them at every point of a sweep)."""
+
+    id: int
+    kind: str  # "alloc" | "free"
+    stream: str
+    name: str
+    unit: str
+    phase: str
+    deps: tuple[int, ...]
+    buffer: Buffer
+    record_stream: str = ""  # a free: the stream `Tensor.record_stream` named (FSDP1); the block waits for it
+    cpu_wait: int = -1
+    flops = hbm_bytes = comm_bytes = 0.0
+    group = kernel_pass = ""
+    measured_s = None
+    kernels = ()
+    launches = 1
+
+
 class OpGraph:
     """Builder and container of ops; the runtime sets `phase` and `unit` as it walks the step."""
 
     def __init__(self) -> None:
-        self.ops: list[Op] = []
+        self.ops: list[Op | MemoryOp] = []  # by id
         self.buffers: list[Buffer] = []
         self.persistent: list[Buffer] = []
         self.host = None  # pinned host memory of the rank (schedule/offload.py HostMemory) when anything is offloaded
@@ -104,25 +126,24 @@ class OpGraph:
         if self._synchronize is not None:
             op.cpu_wait, self._synchronize = self._synchronize.id, None
 
-    # alloc and free build their Op directly, with positional arguments (Op's field order), rather than
+    # alloc and free build their MemoryOp directly, with positional arguments (its field order), rather than
     # through `add`: two of every three ops are theirs, and each keyword call costs more than the op itself
     def alloc(self, stream: str, name: str, category: str, nbytes: int, *, deps=()) -> Buffer:
         buf = Buffer(len(self.buffers), name, category, int(nbytes), self.unit)
         self.buffers.append(buf)
-        op = Op(len(self.ops), "alloc", stream, name, self.unit, self.phase, _event_ids(deps) if deps else (),
-                0.0, 0.0, 0.0, "", buf)
+        op = MemoryOp(len(self.ops), "alloc", stream, name, self.unit, self.phase, _event_ids(deps) if deps else (), buf)
         if self._stream_waits or self._synchronize is not None:
             self._take_waits(op)
         self.ops.append(op)
         self._memory_event(op.id, buf.id, buf.nbytes, stream)
         return buf
 
-    def free(self, stream: str, buf: Buffer, *, deps=(), record_stream: str = "") -> Op:
+    def free(self, stream: str, buf: Buffer, *, deps=(), record_stream: str = "") -> MemoryOp:
         """Free `buf` on `stream`. `record_stream`: the tensor was recorded on that stream
         (`Tensor.record_stream`, as FSDP1 frees), so the caching allocator may reuse its block only once
         that stream has passed the work it had queued when the free was issued."""
-        op = Op(len(self.ops), "free", stream, buf.name, self.unit, self.phase, _event_ids(deps) if deps else (),
-                0.0, 0.0, 0.0, "", buf, None, (), "", 1, record_stream)
+        op = MemoryOp(len(self.ops), "free", stream, buf.name, self.unit, self.phase, _event_ids(deps) if deps else (),
+                      buf, record_stream)
         if self._stream_waits or self._synchronize is not None:
             self._take_waits(op)
         self.ops.append(op)
