@@ -131,32 +131,29 @@ class OpGraph:
     def alloc(self, stream: str, name: str, category: str, nbytes: int, *, deps=()) -> Buffer:
         buf = Buffer(len(self.buffers), name, category, int(nbytes), self.unit)
         self.buffers.append(buf)
-        op = MemoryOp(len(self.ops), "alloc", stream, name, self.unit, self.phase, _event_ids(deps) if deps else (), buf)
-        if self._stream_waits or self._synchronize is not None:
-            self._take_waits(op)
-        self.ops.append(op)
-        self._memory_event(op.id, buf.id, buf.nbytes, stream)
+        self._memory("alloc", stream, name, buf, buf.nbytes, deps, "")
         return buf
 
     def free(self, stream: str, buf: Buffer, *, deps=(), record_stream: str = "") -> MemoryOp:
         """Free `buf` on `stream`. `record_stream`: the tensor was recorded on that stream
         (`Tensor.record_stream`, as FSDP1 frees), so the caching allocator may reuse its block only once
         that stream has passed the work it had queued when the free was issued."""
-        op = MemoryOp(len(self.ops), "free", stream, buf.name, self.unit, self.phase, _event_ids(deps) if deps else (),
-                      buf, record_stream)
+        if record_stream:
+            self.recorded_frees = True
+        return self._memory("free", stream, buf.name, buf, -buf.nbytes, deps, record_stream)
+
+    def _memory(self, kind: str, stream: str, name: str, buf: Buffer, nbytes: int, deps, record_stream: str) -> MemoryOp:
+        """The alloc or free of `buf` (`nbytes` signed), queued and recorded in the memory columns."""
+        op = MemoryOp(len(self.ops), kind, stream, name, self.unit, self.phase, _event_ids(deps) if deps else (), buf,
+                      record_stream)
         if self._stream_waits or self._synchronize is not None:
             self._take_waits(op)
         self.ops.append(op)
-        self._memory_event(op.id, buf.id, -buf.nbytes, stream)
-        if record_stream:
-            self.recorded_frees = True
-        return op
-
-    def _memory_event(self, op: int, buf: int, nbytes: int, stream: str) -> None:
-        self.memory_ops.append(op)
-        self.memory_buffers.append(buf)
+        self.memory_ops.append(op.id)
+        self.memory_buffers.append(buf.id)
         self.memory_bytes.append(nbytes)
         self.memory_streams.append(stream)
+        return op
 
     def persistent_alloc(self, name: str, category: str, nbytes: int) -> Buffer:
         """State alive before the step starts and after it ends (sharded params, optimizer states)."""
