@@ -169,9 +169,10 @@ def optimizer_start(ops) -> int | None:
 
 
 def step_plan(ops, events: MemoryEvents, persistent, issued: np.ndarray, end: np.ndarray, config: AllocatorConfig,
-              optimizer_from: int | None) -> StepPlan:
-    """The plan of `events` (the ledger's, in issue order); `optimizer_from` is `optimizer_start(ops)`."""
-    ready = _ready_times(ops, end, issued) if any(op.record_stream for op in ops if op.kind == "free") else {}
+              optimizer_from: int | None, timeless: bool) -> StepPlan:
+    """The plan of `events` (the ledger's, in issue order); `optimizer_from` is `optimizer_start(ops)`,
+    `timeless` that no free waits for a recorded stream (`replay_allocator`'s)."""
+    ready = {} if timeless else _ready_times(ops, end, issued)
     period = float(max(end.max(), issued.max())) if len(end) else 0.0
     lazy = [(b.id, b.nbytes) for b in persistent if b.category == "optimizer_states" and optimizer_from is not None]
     late = {i for i, _ in lazy}
@@ -252,7 +253,7 @@ def replay_allocator(ops, events: MemoryEvents, persistent, issued: np.ndarray, 
     (each event's buffer, bytes, stream and op, the persistent buffers, where the optimizer phase starts
     and the options) keys `MEMO`."""
     optimizer_from = optimizer_start(ops)
-    plan_of = partial(step_plan, ops, events, persistent, issued, end, config, optimizer_from)
+    plan_of = partial(step_plan, ops, events, persistent, issued, end, config, optimizer_from, timeless)
     key = None
     if timeless:
         key = _memo_key(optimizer_from, persistent, config, events)
