@@ -93,7 +93,7 @@ def state_bytes(optimizer: str, momentum: bool, shapes, itemsize: int) -> int:
     return _state_bytes(optimizer, momentum, tuple(shapes), itemsize)
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=4096)  # a bound on memory: a few entries per unit shape, optimizer and dtype a process sweeps
 def _state_bytes(optimizer: str, momentum: bool, shapes: tuple[tuple[int, ...], ...], itemsize: int) -> int:
     if optimizer == "adamw8bit":
         total = 0

@@ -358,7 +358,7 @@ def recipe_gemm_shapes(recipe: dict) -> dict[str, tuple[int, ...]]:
     return _gemm_shapes(_items(recipe))
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=1024)  # a bound on memory: one entry per block of each model a process builds (126 for 405B)
 def _shared_block_params(d: TransformerDims, prefix: str) -> tuple[Param, ...]:
     """`block_params` as one tuple per model and block, shared by the workloads of every micro-batch and
     sequence length: a sweep's units then hold the same Param objects, so the unit caches keyed on them
