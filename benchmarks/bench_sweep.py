@@ -45,7 +45,7 @@ SCENARIO = ROOT / "scenarios" / "llama3-8b-8xh100.yaml"
 GRID = ROOT / "benchmarks" / "llama3-8b-10k.grid.yaml"
 CHUNK = 1000
 # the phases of a point, as the functions that run them (file suffix, function name)
-PHASES = {"parse": ("fsdp_sim/scenario.py", "parse_scenario"), "graph": ("fsdp_sim/schedule/fsdp2.py", "build_fsdp2_step"),
+PHASES = {"parse": ("fsdp_sim/scenario.py", "parse_scenario"), "graph": ("fsdp_sim/schedule/build.py", "build_step"),
           "play": ("fsdp_sim/engine/simulator.py", "play"), "replay": ("fsdp_sim/engine/ledger.py", "replay"),
           "row": ("fsdp_sim/sweep.py", "_row")}
 

@@ -8,9 +8,7 @@ from fsdp_sim.engine import play, replay
 from fsdp_sim.hardware.costs import OpCosts
 from fsdp_sim.results.analysis import StepResult
 from fsdp_sim.scenario import Scenario
-from fsdp_sim.schedule.fsdp1 import build_fsdp1_step
-from fsdp_sim.schedule.fsdp2 import build_fsdp2_step
-from fsdp_sim.schedule.plain import build_plain_step
+from fsdp_sim.schedule.build import build_step
 from fsdp_sim.schedule.settings import post_forward_group
 from fsdp_sim.schedule.tp import tp_pricing
 
@@ -24,10 +22,7 @@ def simulate(scenario: Scenario) -> StepResult:
     paused = gc.isenabled()
     gc.disable()
     try:
-        s = scenario.settings
-        # no FSDP (one GPU) | FullyShardedDataParallel | fully_shard
-        build = {0: build_plain_step, 1: build_fsdp1_step}.get(s.version, build_fsdp2_step)
-        graph = build(scenario.workload, scenario.units, s)
+        graph = build_step(scenario.workload, scenario.units, scenario.settings)
         costs = op_costs(scenario)
         timing = play(graph.ops, costs.duration, host_s=costs.host_s, slowdown=costs.slowdown)
         memory = replay(graph, timing.start, timing.issued, timing.end, scenario.allocator)

@@ -66,3 +66,20 @@ def test_a_schedule_that_breaks_the_ledger_is_refused_by_name(mistake, message):
     g = _graph_with(mistake)
     with pytest.raises(LedgerError, match=message):
         replay(g, np.zeros(len(g.ops)))
+
+
+def test_a_graph_replayed_again_after_it_grew_is_summed_again_and_a_repriced_one_alike():
+    """The ledger remembers the last columns it summed: a graph that gained events since is summed anew,
+    and a graph sharing the columns (`OpGraph.with_ops`) gets the same levels with its own ops."""
+    g = OpGraph()
+    a = g.alloc("compute", "a", "activations", 1 << 20)
+    first = replay(g, np.zeros(len(g.ops)))
+    g.free("compute", a)
+    g.alloc("compute", "b", "temporaries", 3 << 20)
+    grown = replay(g, np.zeros(len(g.ops)))
+    assert first.total.tolist() == [0, 1 << 20]
+    assert grown.total.tolist() == [0, 1 << 20, 0, 3 << 20]
+    twin = g.with_ops(list(g.ops))
+    again = replay(twin, np.arange(len(g.ops), dtype=float))
+    assert again.levels.tolist() == grown.levels.tolist() and again.ops is twin.ops
+    assert again.time.tolist() == [0.0, 0.0, 1.0, 2.0]

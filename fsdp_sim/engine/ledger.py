@@ -10,6 +10,7 @@ same events on the caching allocator model (engine/reserved.py).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,6 +82,30 @@ def replay(graph: OpGraph, start: np.ndarray, issued: np.ndarray | None = None, 
     (when a recorded stream's work completes) time the allocator model, `start` standing in for both
     when they are not given. The events are the graph's columns, checked and summed in numpy.
     """
+    ops, persistent = graph.ops, graph.persistent
+    columns, levels, total = _summed(graph)
+    times = np.empty(len(total))  # each event when its stream reaches it, never before the one before it
+    times[0] = 0.0
+    times[1:] = start[columns.op_ids]
+    np.maximum.accumulate(times, out=times)
+    model = replay_allocator(ops, columns, persistent, start if issued is None else issued,
+                             start if end is None else end, allocator, timeless=not graph.recorded_frees)
+    return MemoryTrace(times, levels, total, columns, ops, list(persistent), model)
+
+
+_last = threading.local()  # this thread's last `_summed`: (what it was of, its columns, levels and totals)
+
+
+def _summed(graph: OpGraph) -> tuple[MemoryEvents, np.ndarray, np.ndarray]:
+    """The graph's memory columns as arrays, checked, and the levels by category and in total after each
+    event: what no time moves. Remembered for the last columns seen, which the next graph shares when it is
+    the same step re-priced (schedule/build.py `with_ops`); a graph only appends to its columns, so the lists
+    and their lengths say what they hold. Read-only."""
+    of = [(x, len(x)) for x in (graph.memory_ops, graph.memory_buffers, graph.memory_bytes, graph.memory_streams,
+                                graph.persistent, graph.buffers)]
+    last = getattr(_last, "entry", None)
+    if last is not None and all(a is b and n == m for (a, n), (b, m) in zip(of, last[0])):
+        return last[1]
     ops, persistent, n = graph.ops, graph.persistent, len(graph.memory_ops)
     op_ids = np.fromiter(graph.memory_ops, dtype=np.intp, count=n)
     bufs = np.fromiter(graph.memory_buffers, dtype=np.intp, count=n)
@@ -93,10 +118,6 @@ def replay(graph: OpGraph, start: np.ndarray, issued: np.ndarray | None = None, 
     for b in persistent:
         initial[_CAT_INDEX[b.category]] += b.nbytes
     category = np.fromiter((_CAT_INDEX[b.category] for b in graph.buffers), dtype=np.intp, count=len(graph.buffers))
-    times = np.empty(n + 1)  # each event when its stream reaches it, never before the one before it
-    times[0] = 0.0
-    times[1:] = start[op_ids]
-    np.maximum.accumulate(times, out=times)
     delta = np.zeros((n + 1, len(CATEGORIES)), dtype=np.int64)  # bytes are exact integers
     delta[0] = initial
     delta[np.arange(1, n + 1), category[bufs]] = step
@@ -105,10 +126,11 @@ def replay(graph: OpGraph, start: np.ndarray, issued: np.ndarray | None = None, 
         row, col = np.argwhere(levels < 0)[0]
         raise LedgerError(f"{CATEGORIES[col]} went negative at event {row} ({graph.buffers[bufs[row - 1]].name!r})")
     total = np.cumsum(np.concatenate(([initial.sum()], step)))
-    columns = MemoryEvents(op_ids, bufs, step, allocs, graph.memory_streams)
-    model = replay_allocator(ops, columns, persistent, start if issued is None else issued,
-                             start if end is None else end, allocator, timeless=not graph.recorded_frees)
-    return MemoryTrace(times, levels, total, columns, ops, list(persistent), model)
+    for array in (op_ids, bufs, step, allocs, levels, total):
+        array.flags.writeable = False
+    summed = MemoryEvents(op_ids, bufs, step, allocs, graph.memory_streams), levels, total
+    _last.entry = of, summed
+    return summed
 
 
 def _check(graph: OpGraph, op_ids: np.ndarray, bufs: np.ndarray, allocs: np.ndarray) -> None:

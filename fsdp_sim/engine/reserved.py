@@ -270,7 +270,21 @@ def _memo_key(optimizer_from: int | None, persistent, config: AllocatorConfig, e
     """A digest of everything a replay reads when no time moves it: the options, the persistent buffers
     (the optimizer states among them created where the optimizer phase starts), and each event's buffer,
     bytes, kind, stream and op (which places the optimizer phase among them). 32 bytes of BLAKE2b, so a
-    remembered step costs its figures and timeline, not its event list."""
+    remembered step costs its figures and timeline, not its event list. The last key is kept with what it
+    digests: a re-priced step (schedule/build.py) shares its events and persistent buffers."""
+    of = (events, persistent, len(persistent), optimizer_from, config)
+    last = getattr(_last_key, "entry", None)
+    if last is not None and last[0][0] is events and last[0][1] is persistent and last[0][2:] == of[2:]:
+        return last[1]
+    key = _digest(optimizer_from, persistent, config, events)
+    _last_key.entry = of, key
+    return key
+
+
+_last_key = threading.local()  # this thread's last memo key: (what it digests, the key)
+
+
+def _digest(optimizer_from: int | None, persistent, config: AllocatorConfig, events: MemoryEvents) -> bytes:
     h = hashlib.blake2b(repr((config, optimizer_from, [(b.id, b.nbytes, b.category) for b in persistent])).encode())
     for part in (events.buffers, events.deltas, events.allocs, events.op_ids):
         h.update(part.tobytes())

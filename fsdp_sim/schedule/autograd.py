@@ -15,7 +15,7 @@ from fsdp_sim.schedule.optimizers import StepCost, step_cost
 from fsdp_sim.schedule.param_dtypes import unit_shards
 from fsdp_sim.schedule.settings import FSDPSettings
 from fsdp_sim.schedule.tp import TensorParallelCompute
-from fsdp_sim.workload.checkpointing import checkpoint_plans
+from fsdp_sim.workload.checkpointing import Checkpoint, checkpoint_plans
 from fsdp_sim.workload.model import Module, Workload
 from fsdp_sim.wrap import Unit
 
@@ -76,13 +76,7 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
             self.saved[m.name] = g.alloc(COMPUTE, f"{m.name} saved activations", "activations", saved)
         if not recompute:
             self.outputs[m.name] = g.alloc(COMPUTE, f"{m.name} output", "activations", self._scaled(m.output_bytes))
-        # a non-reentrant checkpoint's recompute stops at the block's last saved tensor (early_stop) and
-        # pops what the policy cached instead of rerunning it
-        kernels = ck.recompute_kernels if recompute else m.kernels
-        flops = ck.recompute_flops if recompute and m.kernels else m.fwd_flops
-        self.module_compute(COMPUTE, f"{m.name} {'recompute' if recompute else 'forward'}", kernels,
-                            "recompute" if recompute else "forward", flops=flops,
-                            hbm_bytes=self._scaled(m.fwd_hbm_bytes), measured_s=m.fwd_time_s)
+        self._module_pass(m, ck, "recompute" if recompute else "forward")
         if transient is not None:
             g.free(COMPUTE, transient)
         if not recompute and prev is not None and not (m.saves_input or ck is not None):
@@ -100,8 +94,7 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
         # remains: the gradient w.r.t. the input and the parameters' unsharded gradients
         temps = [g.alloc(COMPUTE, f"{m.name} backward temporaries", "temporaries", part)
                  for part in _parts(self._scaled(m.bwd_temp_bytes), m.bwd_temp_parts)]
-        self.module_compute(COMPUTE, f"{m.name} backward", m.kernels, "backward", flops=m.bwd_flops,
-                            hbm_bytes=2 * self._scaled(m.fwd_hbm_bytes), measured_s=m.bwd_time_s)
+        self._module_pass(m, None, "backward")
         for temp in temps:
             g.free(COMPUTE, temp)
         if m.name in self.saved:
@@ -124,6 +117,14 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
         if prev is not None and prev.name in self.outputs:
             g.free(COMPUTE, self.outputs.pop(prev.name))  # this module's saved input
         self.grad_output = grad_input
+
+    def _module_pass(self, m: Module, ck: Checkpoint | None, kernel_pass: str) -> None:
+        """The compute op of one pass of `m` (forward | recompute | backward), with what `module_work` reads
+        from the module; recorded in the graph (`OpGraph.compute_site`) so a build can be re-priced."""
+        kernels, flops, hbm_bytes, measured_s = module_work(m, ck, kernel_pass, self.s.param_bytes, self.activation_bytes)
+        op = self.module_compute(COMPUTE, f"{m.name} {kernel_pass}", kernels, kernel_pass, flops=flops,
+                                 hbm_bytes=hbm_bytes, measured_s=measured_s)
+        self.g.compute_site(op, m.name, kernel_pass)
 
     # ---- optimizer ------------------------------------------------------------------------------
     def optimizer_shards(self) -> list[int]:
@@ -153,6 +154,22 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
         for buf in self.sharded_grads.values():
             g.free(COMPUTE, buf)
         self.sharded_grads.clear()
+
+
+def module_work(m: Module, ck: Checkpoint | None, kernel_pass: str, compute_bytes: int,
+                activation_bytes: int) -> tuple[tuple, float, float, float | None]:
+    """(kernels, FLOPs, HBM bytes, measured seconds) of the compute op of one pass of `m`: forward,
+    recompute (`ck`, its checkpoint plan) or backward, bytes scaled from the workload's activation dtype
+    to the run's compute dtype. The only place a build reads a module's `COMPUTE_FIELDS` (schedule/build.py).
+
+    A non-reentrant checkpoint's recompute stops at the block's last saved tensor (early_stop) and pops
+    what the policy cached instead of rerunning it."""
+    hbm_bytes = m.fwd_hbm_bytes * compute_bytes // activation_bytes
+    if kernel_pass == "backward":
+        return m.kernels, m.bwd_flops, 2 * hbm_bytes, m.bwd_time_s
+    if kernel_pass == "recompute":
+        return ck.recompute_kernels, ck.recompute_flops if m.kernels else m.fwd_flops, hbm_bytes, m.fwd_time_s
+    return m.kernels, m.fwd_flops, hbm_bytes, m.fwd_time_s
 
 
 def _parts(nbytes: int, parts: int) -> list[int]:

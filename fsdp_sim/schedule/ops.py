@@ -13,6 +13,7 @@ The ops are a list in issue order and each op lists the earlier ops it waits on;
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import networkx as nx
@@ -97,6 +98,9 @@ class OpGraph:
         self.memory_bytes: list[int] = []
         self.memory_streams: list[str] = []
         self.recorded_frees = False  # some free names a recorded stream (`record_stream`)
+        # each module pass's compute op as (op id, module, pass), what schedule/build.py re-prices; None
+        # once a pass became several ops (split around tensor-parallel collectives)
+        self.compute_sites: list[tuple[int, str, str]] | None = []
         self._stream_waits: dict[str, list[Op]] = {}  # wait_event: deps for the next op on a stream
         self._synchronize: Op | None = None  # synchronize: the CPU waits it before issuing the next op
 
@@ -154,6 +158,20 @@ class OpGraph:
         self.memory_bytes.append(nbytes)
         self.memory_streams.append(stream)
         return op
+
+    def compute_site(self, op: Op | None, module: str, kernel_pass: str) -> None:
+        """Record that `op` is the compute op of `module`'s `kernel_pass` (None: that pass is several ops)."""
+        if op is None:
+            self.compute_sites = None
+        elif self.compute_sites is not None:
+            self.compute_sites.append((op.id, module, kernel_pass))
+
+    def with_ops(self, ops: list[Op | MemoryOp]) -> OpGraph:
+        """This graph with `ops` in place of its own (the same ids), sharing everything else: buffers,
+        memory columns and sites are read-only once a graph is built."""
+        graph = copy.copy(self)
+        graph.ops = ops
+        return graph
 
     def persistent_alloc(self, name: str, category: str, nbytes: int) -> Buffer:
         """State alive before the step starts and after it ends (sharded params, optimizer states)."""

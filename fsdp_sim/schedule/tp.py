@@ -31,6 +31,7 @@ collective runs on the `tp` process group's lane (NVLink inside the node).
 from __future__ import annotations
 
 from fsdp_sim.hardware.collectives import ProcessGroup
+from fsdp_sim.schedule.ops import Op
 from fsdp_sim.schedule.settings import post_forward_group
 from fsdp_sim.workload.model import Kernel
 
@@ -66,15 +67,15 @@ class TensorParallelCompute:
     collectives when `settings.tp > 1`. Needs `self.g`, `self.s` (FSDPSettings) and `self.wl`."""
 
     def module_compute(self, stream: str, name: str, kernels: tuple[Kernel, ...], kernel_pass: str, *,
-                       flops: float, hbm_bytes: float, measured_s: float | None) -> None:
+                       flops: float, hbm_bytes: float, measured_s: float | None) -> Op | None:
         """The compute op `name` of a module's `kernels` run as `kernel_pass`, with `OpGraph.add`'s flops,
-        hbm_bytes and measured_s (a measured module is not split: its collectives are unknown)."""
+        hbm_bytes and measured_s (a measured module is not split: its collectives are unknown); returns
+        it, or None when it was split around TP collectives into several."""
         g, s = self.g, self.s
         items = self._tp_items(kernels, kernel_pass) if s.tp > 1 and kernels and measured_s is None else None
         if not items:
-            g.add("compute", stream, name, flops=flops, hbm_bytes=hbm_bytes, measured_s=measured_s, kernels=kernels,
-                  kernel_pass=kernel_pass)
-            return
+            return g.add("compute", stream, name, flops=flops, hbm_bytes=hbm_bytes, measured_s=measured_s,
+                         kernels=kernels, kernel_pass=kernel_pass)
         run: list[Kernel] = []
         part = 0
 
@@ -95,6 +96,7 @@ class TensorParallelCompute:
             kind, nbytes = item
             g.add(kind, stream, f"{name} TP {kind.replace('_', '-')}", group=TP_GROUP, comm_bytes=nbytes)
         flush()
+        return None
 
     def _tp_segment(self, kernels: tuple[Kernel, ...]) -> tuple[Kernel, ...]:
         """One tuple object per distinct segment: op pricing caches by the kernels' identity."""

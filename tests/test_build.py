@@ -1,0 +1,132 @@
+"""The re-priced graph (schedule/build.py) is the graph a build gives: op by op, buffer by buffer, over every
+shipped scenario and over random setups, for points that split a micro-batch's tokens differently and for
+modules whose compute alone was changed; and it is taken exactly where two builds differ only in their
+module passes' compute ops."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from conftest import scenario_dicts
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fsdp_sim.datafile import read_data
+from fsdp_sim.errors import ScenarioError
+from fsdp_sim.scenario import parse_scenario
+from fsdp_sim.schedule import build
+from fsdp_sim.workload.model import Workload
+
+SCENARIOS = sorted(p for p in (Path(__file__).parents[1] / "scenarios").glob("*.yaml") if not p.name.endswith(".grid.yaml"))
+FRESH = build.BUILDERS
+
+
+def _same(a, b) -> bool:
+    """Two graphs equal in every op (all fields, buffers included), buffer, memory column and site."""
+    return (a.ops == b.ops and a.buffers == b.buffers and a.persistent == b.persistent
+            and (a.memory_ops, a.memory_buffers, a.memory_bytes, a.memory_streams, a.recorded_frees, a.compute_sites)
+            == (b.memory_ops, b.memory_buffers, b.memory_bytes, b.memory_streams, b.recorded_frees, b.compute_sites))
+
+
+def _only_sites_differ(a, b) -> bool:
+    """Fresh builds `a` and `b` differ at most in the work of their module passes' compute ops."""
+    if a.compute_sites is None or a.compute_sites != b.compute_sites or len(a.ops) != len(b.ops):
+        return False
+    sites = {i for i, _, _ in a.compute_sites}
+    work = ("flops", "hbm_bytes", "measured_s", "kernels")
+    blank = lambda op: replace(op, **{f: None for f in work}) if op.id in sites else op  # noqa: E731
+    return ([blank(op) for op in a.ops] == [blank(op) for op in b.ops] and a.buffers == b.buffers
+            and a.persistent == b.persistent and a.memory_bytes == b.memory_bytes)
+
+
+def _after(first, second):
+    """`second`'s graph from `build_step` right after `first`'s, and whether it was re-priced."""
+    build._last.entry = None
+    build.build_step(first.workload, first.units, first.settings)
+    template = build._last.entry
+    graph = build.build_step(second.workload, second.units, second.settings)
+    return graph, template is not None and graph is not template[1] and build._last.entry is template
+
+
+def _check_pair(first, second) -> bool:
+    graph, repriced = _after(first, second)
+    fresh = FRESH[second.settings.version](second.workload, second.units, second.settings)
+    assert _same(graph, fresh)
+    reusable = first.settings.version > 0 and first.settings.tp == 1  # build.py: plain and TP are built afresh
+    other = FRESH[first.settings.version](first.workload, first.units, first.settings)
+    assert repriced == (reusable and _only_sites_differ(other, fresh))
+    return repriced
+
+
+def _split(data: dict, base: Path | None):
+    """The scenario of `data` and its twin: twice the micro-batch at half the sequence (None: odd sequence)."""
+    first = parse_scenario(data, base=base)
+    seq = first.workload.meta.get("block_activations", {}).get("seq_len")
+    if not seq or seq % 2:
+        return first, None
+    twin = copy.deepcopy(data)
+    training = twin.setdefault("training", {})
+    training["micro_batch"], training["seq_len"] = 2 * training.get("micro_batch", 1), seq // 2
+    return first, parse_scenario(twin, base=base)
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=[p.stem for p in SCENARIOS])
+def test_a_twin_of_every_shipped_scenario_is_repriced_exactly_when_only_its_compute_differs(path):
+    first, twin = _split(read_data(path, "scenario"), path.parent)
+    if twin is None:
+        pytest.skip("its workload has no sequence to split (a traced workload, a vision model)")
+    _check_pair(first, twin)
+
+
+def test_the_llama3_8b_twin_is_repriced():
+    """The case the shortcut is for: 2 x 4096 tokens after 1 x 8192 (llama3-8b's SDPA is linear in memory)."""
+    first, twin = _split(read_data(SCENARIOS[0].parent / "llama3-8b-8xh100.yaml", "scenario"), SCENARIOS[0].parent)
+    assert _check_pair(first, twin)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario_dicts(), st.sampled_from([1, 2]), st.sampled_from(["none", "full", "selective_op", "selective_layer"]),
+       st.booleans(), st.booleans())
+def test_random_setups_and_their_twins(data, version, ac, lora, offload):
+    data = copy.deepcopy(data)
+    data["fsdp"]["version"] = version
+    data["training"]["activation_checkpointing"] = ac
+    if ac == "selective_layer":
+        data["training"]["ac_every"] = 2
+    if lora:
+        data["lora"] = {"rank": 4, "targets": ["q_proj", "v_proj"]}
+    if offload:
+        data["fsdp"]["offload_policy" if version == 2 else "cpu_offload"] = "CPUOffloadPolicy" if version == 2 else True
+    data["training"]["seq_len"] += data["training"]["seq_len"] % 2
+    try:
+        first, twin = _split(data, None)
+    except ScenarioError:
+        return  # a combination the scenario refuses (its own tests cover the refusals)
+    _check_pair(first, twin)
+
+
+def _recomputed(workload: Workload) -> Workload:
+    """`workload` with every module's compute changed and nothing else: FLOPs, HBM bytes, measured times,
+    and kernels of twice the rows (which moves what a selective policy caches: a byte a build reads)."""
+    def kernels(m):
+        return tuple(replace(k, shape=(2 * k.shape[0], *k.shape[1:])) if k.shape else k for k in m.kernels)
+    modules = tuple(replace(m, fwd_flops=3 * m.fwd_flops + 1, bwd_flops=2 * m.bwd_flops + 1, kernels=kernels(m),
+                            fwd_hbm_bytes=5 * m.fwd_hbm_bytes + 7, fwd_time_s=1e-3, bwd_time_s=2e-3)
+                    for m in workload.modules)
+    return replace(workload, modules=modules, model_flops=workload.model_flops + 1)
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=[p.stem for p in SCENARIOS])
+def test_no_build_reads_compute_or_the_workloads_name_flops_and_meta(path):
+    """A workload whose modules' compute fields, name, model FLOPs and meta changed is re-priced (FSDP,
+    no TP) into what a build of it gives, unless a selective policy's cache moved with its kernels: no
+    branch of a build reads them."""
+    sc = parse_scenario(read_data(path, "scenario"), base=path.parent)
+    if sc.settings.version == 0 or sc.settings.tp > 1:
+        pytest.skip("built afresh at every point (schedule/build.py)")
+    for changed in (replace(sc.workload, name="renamed", meta={}), _recomputed(sc.workload)):
+        repriced = _check_pair(sc, replace(sc, workload=changed))
+        assert repriced == (changed.name == "renamed" or sc.settings.ac_mode != "selective_op")
