@@ -375,17 +375,13 @@ def play(ops: list[Op], duration: Callable[[Op], float], *, host_s: Callable[[Op
     """Simulate `ops` (issue order); `duration(op)` prices timed ops alone on the GPU (alloc and free take
     no time), `host_s(op)` is the CPU issue thread's cost of a timed op (none if omitted), `slowdown(op, running)`
     the factor >= 1 by which op runs slower beside the ops in `running` (none if omitted)."""
-    # asked once, kept for _IssueThread; an alloc or free costs the issue thread nothing of its own (the
-    # caching allocator runs inside the launch of the kernel that needs the memory)
-    host = [0.0 if op.kind not in _TIMED else host_s(op) for op in ops] if host_s is not None else [0.0] * len(ops)
+    streams, lanes, host, first_wait = _queues(ops, duration, host_s)
     issued = list(accumulate(host))
-    first_wait = next((op.id for op in ops if op.cpu_wait >= 0), -1)
     if first_wait >= 0:  # issue times past the first synchronize are known only as the step plays
         issued[first_wait:] = [_NOT_ISSUED] * (len(ops) - first_wait)
     player = _Player(len(ops), issued, slowdown)
     if first_wait >= 0:
         _IssueThread(player, ops, host, first_wait).resume()
-    streams, lanes = _queues(ops, duration)
     player.draining = True  # every stream, then every lane, starts at time 0 in this order
     player.ready.extend(player.stream(items) for items in streams.values())
     player.ready.extend(player.lane(items) for items in lanes.values())
@@ -400,20 +396,29 @@ def play(ops: list[Op], duration: Callable[[Op], float], *, host_s: Callable[[Op
     return Timing(*(np.fromiter(times, dtype=np.float64, count=n) for times in (player.start, player.end, issued)))
 
 
-def _queues(ops: list[Op], duration: Callable[[Op], float]) -> tuple[dict[str, list[tuple]], dict[str, list[tuple]]]:
+def _queues(ops: list[Op], duration: Callable[[Op], float], host_s: Callable[[Op], float] | None) -> tuple:
     """Each stream's queue of (id, deps, collective?, seconds alone, op), or the id alone of an alloc or
     free that waits on nothing, and each process group's lane of (id, seconds alone, op), in issue order,
-    keyed in order of first use; one pass pricing each timed op once."""
+    keyed in order of first use; the issue thread's cost of each op; the first op the CPU issues only after
+    a synchronize (-1: none). One pass, pricing each timed op once (an alloc or free costs the issue thread
+    nothing of its own: the caching allocator runs inside the launch of the kernel that needs the memory)."""
     streams: defaultdict[str, list[tuple]] = defaultdict(list)
     lanes: defaultdict[str, list[tuple]] = defaultdict(list)
+    host = [0.0] * len(ops)
+    first_wait = -1
     for op in ops:
         kind = op.kind
         if kind not in _TIMED:  # most ops, and most wait on none: those are their id alone, no tuple
             streams[op.stream].append((op.id, op.deps, False, 0.0, op) if op.deps else op.id)
-        elif kind in _COLLECTIVE:
-            dur = duration(op)
-            streams[op.stream].append((op.id, op.deps, True, dur, op))
-            lanes[op.group].append((op.id, dur, op))
         else:
-            streams[op.stream].append((op.id, op.deps, False, duration(op), op))
-    return streams, lanes
+            if host_s is not None:
+                host[op.id] = host_s(op)
+            if kind in _COLLECTIVE:
+                dur = duration(op)
+                streams[op.stream].append((op.id, op.deps, True, dur, op))
+                lanes[op.group].append((op.id, dur, op))
+            else:
+                streams[op.stream].append((op.id, op.deps, False, duration(op), op))
+        if op.cpu_wait >= 0 and first_wait < 0:
+            first_wait = op.id
+    return streams, lanes, host, first_wait
