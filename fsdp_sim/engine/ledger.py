@@ -64,10 +64,12 @@ class MemoryTrace:
         return self.allocator.timeline
 
     def live_at(self, row: int) -> list[Buffer]:
-        """Buffers alive after event `row` (row 0: the persistent state)."""
+        """Buffers alive after event `row` (row 0: the persistent state), from the events up to it only."""
         live = {b.id: b for b in self.persistent}
-        for _, buf, sign in self.events[:row]:
-            if sign > 0:
+        ops = self.ops
+        for i, alloc in zip(self.columns.op_ids[:row].tolist(), self.columns.allocs[:row].tolist()):
+            buf = ops[i].buffer
+            if alloc:
                 live[buf.id] = buf
             else:
                 del live[buf.id]
