@@ -160,7 +160,8 @@ def module_work(m: Module, ck: Checkpoint | None, kernel_pass: str, compute_byte
                 activation_bytes: int) -> tuple[tuple, float, float, float | None]:
     """(kernels, FLOPs, HBM bytes, measured seconds) of the compute op of one pass of `m`: forward,
     recompute (`ck`, its checkpoint plan) or backward, bytes scaled from the workload's activation dtype
-    to the run's compute dtype. The only place a build reads a module's `COMPUTE_FIELDS` (schedule/build.py).
+    to the run's compute dtype. The only place an FSDP build reads a module's `COMPUTE_FIELDS` but the TP split
+    of a pass (schedule/tp.py), which schedule/build.py therefore never re-prices.
 
     A non-reentrant checkpoint's recompute stops at the block's last saved tensor (early_stop) and pops
     what the policy cached instead of rerunning it."""
