@@ -1,7 +1,7 @@
-"""The re-priced graph (schedule/build.py) is the graph a build gives: op by op, buffer by buffer, over every
-shipped scenario and over random setups, for points that split a micro-batch's tokens differently and for
-modules whose compute alone was changed; and it is taken exactly where two builds differ only in their
-module passes' compute ops."""
+"""The re-priced and re-sized graphs (schedule/build.py) are the graphs a build gives: op by op, buffer by
+buffer, over every shipped scenario and over random setups, for points that split a micro-batch's tokens
+differently, points at other token counts and modules whose compute alone was changed; and they are made
+exactly where two fresh builds differ only in their module passes' compute ops and their buffers' bytes."""
 
 from __future__ import annotations
 
@@ -31,19 +31,27 @@ def _same(a, b) -> bool:
             == (b.memory_ops, b.memory_buffers, b.memory_bytes, b.memory_streams, b.recorded_frees, b.compute_sites))
 
 
-def _only_sites_differ(a, b) -> bool:
-    """Fresh builds `a` and `b` differ at most in the work of their module passes' compute ops."""
+def _only_work_differs(a, b, *, sizes: bool) -> bool:
+    """Fresh builds `a` and `b` differ at most in the work of their module passes' compute ops and, with
+    `sizes`, in the bytes of their buffers (the same buffers, allocated and freed by the same ops)."""
     if a.compute_sites is None or a.compute_sites != b.compute_sites or len(a.ops) != len(b.ops):
         return False
     sites = {i for i, _, _ in a.compute_sites}
     work = ("flops", "hbm_bytes", "measured_s", "kernels")
-    blank = lambda op: replace(op, **{f: None for f in work}) if op.id in sites else op  # noqa: E731
-    return ([blank(op) for op in a.ops] == [blank(op) for op in b.ops] and a.buffers == b.buffers
-            and a.persistent == b.persistent and a.memory_bytes == b.memory_bytes)
+
+    def blank(op):
+        if op.id in sites:
+            return replace(op, **{f: None for f in work})
+        if sizes and op.kind in ("alloc", "free"):
+            return replace(op, buffer=replace(op.buffer, nbytes=0))
+        return op
+    unsized = (lambda bufs: [replace(x, nbytes=0) for x in bufs]) if sizes else list  # noqa: E731
+    return ([blank(op) for op in a.ops] == [blank(op) for op in b.ops] and unsized(a.buffers) == unsized(b.buffers)
+            and a.persistent == b.persistent and (sizes or a.memory_bytes == b.memory_bytes))
 
 
 def _after(first, second):
-    """`second`'s graph from `build_step` right after `first`'s, and whether it was re-priced."""
+    """`second`'s graph from `build_step` right after `first`'s, and whether it was made from the first's."""
     build._last.entry = None
     build.build_step(first.workload, first.units, first.settings)
     template = build._last.entry
@@ -52,13 +60,15 @@ def _after(first, second):
 
 
 def _check_pair(first, second) -> bool:
-    graph, repriced = _after(first, second)
+    graph, reused = _after(first, second)
     fresh = FRESH[second.settings.version](second.workload, second.units, second.settings)
     assert _same(graph, fresh)
-    reusable = first.settings.version > 0 and first.settings.tp == 1  # build.py: plain and TP are built afresh
-    other = FRESH[first.settings.version](first.workload, first.units, first.settings)
-    assert repriced == (reusable and _only_sites_differ(other, fresh))
-    return repriced
+    s = first.settings
+    reusable = s.version > 0 and s.tp == 1  # build.py: plain and TP are built afresh
+    resizable = not (s.activation_offload or s.output_dtype or s.unit_output_dtype)  # build.py: bytes read elsewhere
+    other = FRESH[s.version](first.workload, first.units, s)
+    assert reused == (reusable and _only_work_differs(other, fresh, sizes=resizable))
+    return reused
 
 
 def _split(data: dict, base: Path | None):
@@ -106,6 +116,9 @@ def test_random_setups_and_their_twins(data, version, ac, lora, offload):
     except ScenarioError:
         return  # a combination the scenario refuses (its own tests cover the refusals)
     _check_pair(first, twin)
+    longer = _resized(data, None, seq_len=data["training"]["seq_len"] + 6, micro_batch=data["training"]["micro_batch"] + 1)
+    if longer is not None:
+        _check_pair(first, longer)
 
 
 def _recomputed(workload: Workload) -> Workload:
@@ -121,12 +134,46 @@ def _recomputed(workload: Workload) -> Workload:
 
 @pytest.mark.parametrize("path", SCENARIOS, ids=[p.stem for p in SCENARIOS])
 def test_no_build_reads_compute_or_the_workloads_name_flops_and_meta(path):
-    """A workload whose modules' compute fields, name, model FLOPs and meta changed is re-priced (FSDP,
-    no TP) into what a build of it gives, unless a selective policy's cache moved with its kernels: no
-    branch of a build reads them."""
+    """A workload whose name and meta changed is re-priced, and one whose modules' compute changed is
+    re-priced or re-sized exactly when fresh builds differ only there (a selective policy's cache moves
+    with its kernels), into what a build of it gives (FSDP, no TP): no branch of a build reads them."""
     sc = parse_scenario(read_data(path, "scenario"), base=path.parent)
     if sc.settings.version == 0 or sc.settings.tp > 1:
         pytest.skip("built afresh at every point (schedule/build.py)")
-    for changed in (replace(sc.workload, name="renamed", meta={}), _recomputed(sc.workload)):
-        repriced = _check_pair(sc, replace(sc, workload=changed))
-        assert repriced == (changed.name == "renamed" or sc.settings.ac_mode != "selective_op")
+    assert _check_pair(sc, replace(sc, workload=replace(sc.workload, name="renamed", meta={})))
+    _check_pair(sc, replace(sc, workload=_recomputed(sc.workload)))
+
+
+def _resized(data: dict, base: Path | None, **training):
+    """The scenario of `data` with `training` changed (None: a combination the scenario refuses)."""
+    other = copy.deepcopy(data)
+    other.setdefault("training", {}).update(training)
+    try:
+        return parse_scenario(other, base=base)
+    except ScenarioError:
+        return None
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=[p.stem for p in SCENARIOS])
+def test_other_token_counts_of_every_shipped_scenario_are_resized_exactly_when_only_sizes_and_compute_differ(path):
+    """The same settings at other token counts (more and fewer sequences, a longer and a shorter sequence):
+    the graph made from the last build is a fresh build's, and made exactly when the two fresh builds
+    differ only in their buffers' bytes and their module passes' compute."""
+    data = read_data(path, "scenario")
+    first, _ = _split(data, path.parent)
+    seq = first.workload.meta.get("block_activations", {}).get("seq_len")
+    if not seq:
+        pytest.skip("its workload has no sequence to change (a traced workload, a vision model)")
+    mb = data.get("training", {}).get("micro_batch", 1)
+    for training in ({"micro_batch": mb + 1, "seq_len": seq}, {"micro_batch": mb, "seq_len": 2 * seq},
+                     {"micro_batch": mb, "seq_len": max(1, seq // 4)}):
+        other = _resized(data, path.parent, **training)
+        if other is not None:
+            _check_pair(first, other)
+
+
+def test_the_llama3_8b_grid_s_next_token_count_is_resized():
+    """The case the re-size is for: 1 x 4096 tokens after 1 x 2048, the same settings."""
+    data = read_data(SCENARIOS[0].parent / "llama3-8b-8xh100.yaml", "scenario")
+    first = _resized(data, SCENARIOS[0].parent, micro_batch=1, seq_len=2048)
+    assert _check_pair(first, _resized(data, SCENARIOS[0].parent, micro_batch=1, seq_len=4096))

@@ -47,35 +47,25 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
         self.offloaded: dict[str, list] = {}  # by module: what save_on_cpu moved to the host
 
     # ---- autograd: what each module's forward and backward allocate -----------------------------
-    def _scaled(self, nbytes: int) -> int:
-        """Activation bytes in this run's compute dtype (the workload may be traced in another)."""
-        return nbytes * self.s.param_bytes // self.activation_bytes
-
     def forward_compute(self, m: Module, prev: Module | None, *, recompute: bool = False) -> None:
-        """A module's forward, or (`recompute`) a checkpointed block's rerun at the start of its backward.
-
-        A checkpointed block's forward keeps only its input and what its policy caches
-        (`workload/checkpointing.py`); the recompute re-creates the rest. Without a cache it holds what its
-        code refers to (`Module.nosave_fwd_peak_bytes`, the output allocated on top of the transient);
-        with one, or where that is not known, at most every tensor it would save and its transients."""
+        """A module's forward, or (`recompute`) a checkpointed block's rerun at the start of its backward,
+        allocating what `forward_bytes` sizes (`workload/checkpointing.py` says what a policy caches)."""
         g = self.g
         ck = self.checkpoints.get(m.name)
-        shared = self._scaled(ck.shared_bytes) if ck is not None else 0
-        saved = self._scaled(m.saved_bytes) - shared
-        temp = self._scaled(m.fwd_temp_bytes)
-        if ck is not None and not recompute:
-            if m.nosave_fwd_peak_bytes and not ck.cache_bytes:
-                temp = self._scaled(m.nosave_fwd_peak_bytes - m.output_bytes)
-            else:
-                temp += saved
-            if ck.cache_bytes:
-                self.cached[m.name] = g.alloc(COMPUTE, f"{m.name} saved by the checkpoint policy", "activations",
-                                              self._scaled(ck.cache_bytes))
-        transient = g.alloc(COMPUTE, f"{m.name} forward temporaries", "temporaries" if not recompute else "activations", temp) if temp else None
-        if saved and (recompute or ck is None):
-            self.saved[m.name] = g.alloc(COMPUTE, f"{m.name} saved activations", "activations", saved)
-        if not recompute:
-            self.outputs[m.name] = g.alloc(COMPUTE, f"{m.name} output", "activations", self._scaled(m.output_bytes))
+        cache, temp, saved, output = forward_bytes(m, ck, recompute, self.s.param_bytes, self.activation_bytes)
+        bufs = (None if cache is None else g.alloc(COMPUTE, f"{m.name} saved by the checkpoint policy", "activations", cache),
+                None if temp is None else g.alloc(COMPUTE, f"{m.name} forward temporaries",
+                                                  "temporaries" if not recompute else "activations", temp),
+                None if saved is None else g.alloc(COMPUTE, f"{m.name} saved activations", "activations", saved),
+                None if output is None else g.alloc(COMPUTE, f"{m.name} output", "activations", output))
+        g.memory_site("recompute" if recompute else "forward", m.name, "", bufs)
+        cached, transient, kept, out = bufs
+        if cached is not None:
+            self.cached[m.name] = cached
+        if kept is not None:
+            self.saved[m.name] = kept
+        if out is not None:
+            self.outputs[m.name] = out
         self._module_pass(m, ck, "recompute" if recompute else "forward")
         if transient is not None:
             g.free(COMPUTE, transient)
@@ -92,8 +82,8 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
         # the transient moment first (it holds whatever gradients exist then); autograd releases
         # each op's saved tensors as its backward runs, so by the end only what the backward leaves
         # remains: the gradient w.r.t. the input and the parameters' unsharded gradients
-        temps = [g.alloc(COMPUTE, f"{m.name} backward temporaries", "temporaries", part)
-                 for part in _parts(self._scaled(m.bwd_temp_bytes), m.bwd_temp_parts)]
+        *parts, grad_bytes, tail_bytes = backward_bytes(m, prev, s.param_bytes, self.activation_bytes)
+        temps = [g.alloc(COMPUTE, f"{m.name} backward temporaries", "temporaries", part) for part in parts]
         self._module_pass(m, None, "backward")
         for temp in temps:
             g.free(COMPUTE, temp)
@@ -101,15 +91,15 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
             g.free(COMPUTE, self.saved.pop(m.name))
         if m.name in self.cached:
             g.free(COMPUTE, self.cached.pop(m.name))
-        grad_input = None
-        if prev is not None and prev.records_graph:  # an input from the frozen prefix needs no gradient
-            grad_input = g.alloc(COMPUTE, f"{m.name} grad input", "temporaries", self._scaled(prev.output_bytes))
+        grad_input = None if grad_bytes is None else g.alloc(COMPUTE, f"{m.name} grad input", "temporaries", grad_bytes)
         grads = self.unsharded_grads
         for p in m.params + tuple(self.params_by_name[n] for n in m.tied_params) if m.tied_params else m.params:
             if p.trainable and p.name not in grads:
                 grads[p.name] = g.alloc(COMPUTE, f"{p.name} unsharded grad", "unsharded_grads", p.numel * s.param_bytes)
-        if m.bwd_tail_bytes:  # the module's last backward moment, above the gradients it computed (Module)
-            g.free(COMPUTE, g.alloc(COMPUTE, f"{m.name} backward, last moment", "temporaries", self._scaled(m.bwd_tail_bytes)))
+        tail = None if tail_bytes is None else g.alloc(COMPUTE, f"{m.name} backward, last moment", "temporaries", tail_bytes)
+        if tail is not None:
+            g.free(COMPUTE, tail)
+        g.memory_site("backward", m.name, prev.name if prev is not None else "", (*temps, grad_input, tail))
         if self.grad_output is not None:
             g.free(COMPUTE, self.grad_output)
         if nxt is None:
@@ -171,6 +161,44 @@ def module_work(m: Module, ck: Checkpoint | None, kernel_pass: str, compute_byte
     if kernel_pass == "recompute":
         return ck.recompute_kernels, ck.recompute_flops if m.kernels else m.fwd_flops, hbm_bytes, m.fwd_time_s
     return m.kernels, m.fwd_flops, hbm_bytes, m.fwd_time_s
+
+
+def forward_bytes(m: Module, ck: Checkpoint | None, recompute: bool, compute_bytes: int,
+                  activation_bytes: int) -> tuple[int | None, int | None, int | None, int | None]:
+    """What a forward (or a checkpointed block's recompute) of `m` allocates, in the run's compute dtype:
+    (the policy's cache, the transient, the saved activations, the output), None where it allocates none.
+    The one place a build sizes them from the module's bytes (schedule/build.py re-sizes a graph with it).
+
+    A checkpointed block's forward keeps only its input and what its policy caches; the recompute
+    re-creates the rest. Without a cache it holds what its code refers to (`Module.nosave_fwd_peak_bytes`,
+    the output allocated on top of the transient); with one, or where that is not known, at most every
+    tensor it would save and its transients."""
+    def scaled(nbytes: int) -> int:
+        return nbytes * compute_bytes // activation_bytes
+    shared = scaled(ck.shared_bytes) if ck is not None else 0
+    saved = scaled(m.saved_bytes) - shared
+    temp = scaled(m.fwd_temp_bytes)
+    cache = None
+    if ck is not None and not recompute:
+        if m.nosave_fwd_peak_bytes and not ck.cache_bytes:
+            temp = scaled(m.nosave_fwd_peak_bytes - m.output_bytes)
+        else:
+            temp += saved
+        if ck.cache_bytes:
+            cache = scaled(ck.cache_bytes)
+    return (cache, temp if temp else None, saved if saved and (recompute or ck is None) else None,
+            None if recompute else scaled(m.output_bytes))
+
+
+def backward_bytes(m: Module, prev: Module | None, compute_bytes: int, activation_bytes: int) -> tuple:
+    """What `m`'s backward allocates from its bytes, in the run's compute dtype: each part of its transient
+    moment, then the gradient w.r.t. its input (None: an input from the frozen prefix needs none) and its
+    last moment (None: it has none). The parameters' gradients are sized by their shapes."""
+    def scaled(nbytes: int) -> int:
+        return nbytes * compute_bytes // activation_bytes
+    return (*_parts(scaled(m.bwd_temp_bytes), m.bwd_temp_parts),
+            scaled(prev.output_bytes) if prev is not None and prev.records_graph else None,
+            scaled(m.bwd_tail_bytes) if m.bwd_tail_bytes else None)
 
 
 def _parts(nbytes: int, parts: int) -> list[int]:

@@ -87,6 +87,11 @@ class MemoryOp:
     kernels = ()
     launches = 1
 
+    def with_buffer(self, buffer: Buffer) -> MemoryOp:
+        """This alloc or free of `buffer` (the same buffer, re-sized: schedule/build.py), made positionally."""
+        return MemoryOp(self.id, self.kind, self.stream, self.name, self.unit, self.phase, self.deps, buffer,
+                        self.record_stream, self.cpu_wait)
+
 
 class OpGraph:
     """Builder and container of ops; the runtime sets `phase` and `unit` as it walks the step."""
@@ -108,6 +113,10 @@ class OpGraph:
         # each module pass's compute op as (op id, module, pass), what schedule/build.py re-prices; None
         # once a pass became several ops (split around tensor-parallel collectives)
         self.compute_sites: list[tuple[int, str, str]] | None = []
+        # what each module pass (and each batch) allocated from the workload's bytes, as (pass, module, the
+        # module before it, the ids of its buffers in `autograd.forward_bytes` / `backward_bytes` order,
+        # None where it allocated none): what schedule/build.py re-sizes
+        self.memory_sites: list[tuple[str, str, str, tuple[int | None, ...]]] = []
         self._stream_waits: dict[str, list[Op]] = {}  # wait_event: deps for the next op on a stream
         self._synchronize: Op | None = None  # synchronize: the CPU waits it before issuing the next op
 
@@ -173,11 +182,21 @@ class OpGraph:
         elif self.compute_sites is not None:
             self.compute_sites.append((op.id, module, kernel_pass))
 
-    def with_ops(self, ops: list[Op | MemoryOp]) -> OpGraph:
-        """This graph with `ops` in place of its own (the same ids), sharing everything else: buffers,
-        memory columns and sites are read-only once a graph is built."""
+    def memory_site(self, kind: str, module: str, prev: str, buffers: tuple[Buffer | None, ...]) -> None:
+        """Record that `module`'s `kind` pass (after module `prev`) allocated `buffers` from its bytes."""
+        self.memory_sites.append((kind, module, prev, tuple(None if b is None else b.id for b in buffers)))
+
+    def with_ops(self, ops: list[Op | MemoryOp], buffers: list[Buffer] | None = None,
+                 memory_bytes: list[int] | None = None) -> OpGraph:
+        """This graph with `ops` in place of its own (the same ids) and, if given, `buffers` and the memory
+        events' bytes (the same buffer ids, sizes changed: schedule/build.py), sharing everything else:
+        the memory columns and sites are read-only once a graph is built."""
         graph = copy.copy(self)
         graph.ops = ops
+        if buffers is not None:
+            graph.buffers = buffers
+        if memory_bytes is not None:
+            graph.memory_bytes = memory_bytes
         return graph
 
     def persistent_alloc(self, name: str, category: str, nbytes: int) -> Buffer:

@@ -74,6 +74,7 @@ class FSDPWalk(AutogradStep):
         g.phase = "forward" + suffix
         previous, self.inputs = self.inputs, g.alloc(COMPUTE, f"batch (input ids, labels){suffix}", "inputs",
                                                      self.wl.input_bytes)
+        g.memory_site("inputs", "", "", (self.inputs,))
         if previous is not None:  # the loop variable now holds the new batch
             g.free(COMPUTE, previous)
         prev: Module | None = None
