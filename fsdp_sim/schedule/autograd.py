@@ -53,13 +53,12 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
         g = self.g
         ck = self.checkpoints.get(m.name)
         cache, temp, saved, output = forward_bytes(m, ck, recompute, self.s.param_bytes, self.activation_bytes)
-        bufs = (None if cache is None else g.alloc(COMPUTE, f"{m.name} saved by the checkpoint policy", "activations", cache),
-                None if temp is None else g.alloc(COMPUTE, f"{m.name} forward temporaries",
-                                                  "temporaries" if not recompute else "activations", temp),
-                None if saved is None else g.alloc(COMPUTE, f"{m.name} saved activations", "activations", saved),
-                None if output is None else g.alloc(COMPUTE, f"{m.name} output", "activations", output))
-        g.memory_site("recompute" if recompute else "forward", m.name, "", bufs)
-        cached, transient, kept, out = bufs
+        cached = None if cache is None else g.alloc(COMPUTE, f"{m.name} saved by the checkpoint policy", "activations", cache)
+        transient = None if temp is None else g.alloc(COMPUTE, f"{m.name} forward temporaries",
+                                                      "temporaries" if not recompute else "activations", temp)
+        kept = None if saved is None else g.alloc(COMPUTE, f"{m.name} saved activations", "activations", saved)
+        out = None if output is None else g.alloc(COMPUTE, f"{m.name} output", "activations", output)
+        g.memory_site("recompute" if recompute else "forward", m.name, "", (cached, transient, kept, out))
         if cached is not None:
             self.cached[m.name] = cached
         if kept is not None:
@@ -155,7 +154,7 @@ def module_work(m: Module, ck: Checkpoint | None, kernel_pass: str, compute_byte
 
     A non-reentrant checkpoint's recompute stops at the block's last saved tensor (early_stop) and pops
     what the policy cached instead of rerunning it."""
-    hbm_bytes = m.fwd_hbm_bytes * compute_bytes // activation_bytes
+    hbm_bytes = _scaled(m.fwd_hbm_bytes, compute_bytes, activation_bytes)
     if kernel_pass == "backward":
         return m.kernels, m.bwd_flops, 2 * hbm_bytes, m.bwd_time_s
     if kernel_pass == "recompute":
@@ -174,7 +173,7 @@ def forward_bytes(m: Module, ck: Checkpoint | None, recompute: bool, compute_byt
     the output allocated on top of the transient); with one, or where that is not known, at most every
     tensor it would save and its transients."""
     def scaled(nbytes: int) -> int:
-        return nbytes * compute_bytes // activation_bytes
+        return _scaled(nbytes, compute_bytes, activation_bytes)
     shared = scaled(ck.shared_bytes) if ck is not None else 0
     saved = scaled(m.saved_bytes) - shared
     temp = scaled(m.fwd_temp_bytes)
@@ -195,10 +194,15 @@ def backward_bytes(m: Module, prev: Module | None, compute_bytes: int, activatio
     moment, then the gradient w.r.t. its input (None: an input from the frozen prefix needs none) and its
     last moment (None: it has none). The parameters' gradients are sized by their shapes."""
     def scaled(nbytes: int) -> int:
-        return nbytes * compute_bytes // activation_bytes
+        return _scaled(nbytes, compute_bytes, activation_bytes)
     return (*_parts(scaled(m.bwd_temp_bytes), m.bwd_temp_parts),
             scaled(prev.output_bytes) if prev is not None and prev.records_graph else None,
             scaled(m.bwd_tail_bytes) if m.bwd_tail_bytes else None)
+
+
+def _scaled(nbytes, compute_bytes: int, activation_bytes: int):
+    """Activation bytes (or HBM traffic) in the run's compute dtype: the workload may be traced in another."""
+    return nbytes * compute_bytes // activation_bytes
 
 
 def _parts(nbytes: int, parts: int) -> list[int]:
