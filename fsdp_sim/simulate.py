@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from fsdp_sim.engine import play, replay
+from fsdp_sim.engine import play, queue_layout, replay
 from fsdp_sim.hardware.costs import OpCosts
 from fsdp_sim.results.analysis import StepResult
 from fsdp_sim.scenario import Scenario
@@ -24,7 +24,8 @@ def simulate(scenario: Scenario) -> StepResult:
     try:
         graph = build_step(scenario.workload, scenario.units, scenario.settings)
         costs = op_costs(scenario)
-        timing = play(graph.ops, costs.duration, host_s=costs.host_s, slowdown=costs.slowdown)
+        layout = graph.derived("queues", lambda: queue_layout(graph.ops))  # one per build (a sweep's twins share it)
+        timing = play(graph.ops, costs.duration, host_s=costs.host_s, slowdowns=costs.slowdowns, layout=layout)
         memory = replay(graph, timing.start, timing.issued, timing.end, scenario.allocator)
         return StepResult(scenario, graph, timing, memory, costs.times, costs.duration)
     finally:

@@ -177,3 +177,43 @@ def test_the_llama3_8b_grid_s_next_token_count_is_resized():
     data = read_data(SCENARIOS[0].parent / "llama3-8b-8xh100.yaml", "scenario")
     first = _resized(data, SCENARIOS[0].parent, micro_batch=1, seq_len=2048)
     assert _check_pair(first, _resized(data, SCENARIOS[0].parent, micro_batch=1, seq_len=4096))
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=[p.stem for p in SCENARIOS])
+def test_a_step_simulated_right_after_another_token_count_gives_a_fresh_simulations_figures(path):
+    """A re-sized or re-priced graph shares what was derived from its template's structure (`OpGraph.derived`:
+    the stream queues, the ledger's columns, the compute stream's order); its simulation, made right after
+    the template's, gives every figure a simulation of a fresh build of it gives."""
+    from fsdp_sim.simulate import simulate
+
+    data = read_data(path, "scenario")
+    first, _ = _split(data, path.parent)
+    seq = first.workload.meta.get("block_activations", {}).get("seq_len")
+    other = _resized(data, path.parent, micro_batch=data.get("training", {}).get("micro_batch", 1) + 1,
+                     seq_len=seq) if seq else None
+    if other is None:
+        pytest.skip("its workload has no sequence to change (a traced workload, a vision model)")
+    build._last.entry = None
+    template = simulate(first)
+    after = simulate(other)
+    build._last.entry = None
+    fresh = simulate(other)
+    queues = [r.graph.derived("queues", lambda: None) for r in (template, after, fresh)]
+    assert queues[2] is not queues[1] and (queues[1] is queues[0] or path.stem not in REUSED), "derived again"
+    assert after.to_dict() == fresh.to_dict()
+
+
+REUSED = {"llama3-8b-8xh100", "llama2-7b-8xa100-80gb"}  # shipped scenarios whose next micro-batch is re-sized
+
+
+def test_what_a_graph_derives_is_shared_by_its_twins_and_derived_again_once_it_grows():
+    from fsdp_sim.schedule.ops import OpGraph
+
+    g = OpGraph()
+    g.alloc("compute", "a", "activations", 1 << 20)
+    calls = []
+    first = g.derived("x", lambda: calls.append(1) or len(g.ops))
+    twin = g.with_ops(list(g.ops))
+    assert twin.derived("x", lambda: calls.append(1) or -1) == first == 1 and len(calls) == 1
+    g.alloc("compute", "b", "activations", 1 << 20)  # the graph grew: what it derived is out of date
+    assert g.derived("x", lambda: calls.append(1) or len(g.ops)) == 2 and len(calls) == 2

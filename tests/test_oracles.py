@@ -161,7 +161,7 @@ def test_single_unit_without_prefetch_is_fully_serial(gpn, param, reduce, ac):
     serial = sum(costs.duration(op) for op in r.graph.ops if op.kind in TIMED_KINDS)
     # played without the CPU issue thread's launch costs the chain is exactly serial (and nothing overlaps,
     # so nothing is slowed); with them the step can only be longer
-    assert play(r.graph.ops, costs.duration, slowdown=costs.slowdown).makespan == pytest.approx(serial, rel=1e-9)
+    assert play(r.graph.ops, costs.duration, slowdowns=costs.slowdowns).makespan == pytest.approx(serial, rel=1e-9)
     assert r.step_time_s >= serial * (1 - 1e-9)
 
 

@@ -10,13 +10,12 @@ same events on the caching allocator model (engine/reserved.py).
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 
 from fsdp_sim.engine.allocator import AllocatorConfig
-from fsdp_sim.engine.reserved import MemoryEvents, ReservedModel, replay_allocator
+from fsdp_sim.engine.reserved import MemoryEvents, ReservedModel, optimizer_start, replay_allocator
 from fsdp_sim.schedule.ops import CATEGORIES, Buffer, Op, OpGraph
 
 _CAT_INDEX = {c: i for i, c in enumerate(CATEGORIES)}
@@ -95,44 +94,48 @@ def replay(graph: OpGraph, start: np.ndarray, issued: np.ndarray | None = None, 
     return MemoryTrace(times, levels, total, columns, ops, list(persistent), model)
 
 
-_last = threading.local()  # this thread's last `_summed`: (what it was of, its columns, levels and totals)
-
-
 def _summed(graph: OpGraph) -> tuple[MemoryEvents, np.ndarray, np.ndarray]:
     """The graph's memory columns as arrays, checked, and the levels by category and in total after each
-    event: what no time moves. Remembered for the last columns seen, which the next graph shares when it is
-    the same step re-priced (schedule/build.py `with_ops`); a graph only appends to its columns, so the lists
-    and their lengths say what they hold. Read-only."""
-    of = [(x, len(x)) for x in (graph.memory_ops, graph.memory_buffers, graph.memory_bytes, graph.memory_streams,
-                                graph.persistent, graph.buffers)]
-    last = getattr(_last, "entry", None)
-    if last is not None and all(a is b and n == m for (a, n), (b, m) in zip(of, last[0])):
+    event: what no time moves. What the bytes do not decide (which event is whose alloc or free, on which
+    stream, its category: `_structure`) is derived once per build (`OpGraph.derived`), and the levels are
+    kept for the bytes last summed, which a re-priced graph shares (schedule/build.py `with_ops`). Read-only."""
+    op_ids, bufs, allocs, event_category, initial, optimizer_from = graph.derived("ledger columns", lambda: _structure(graph))
+    memory_bytes = graph.memory_bytes
+    last = graph.derived("ledger levels", lambda: [None, None])  # [the bytes summed, the sums]
+    if last[0] is memory_bytes:
         return last[1]
-    ops, persistent, n = graph.ops, graph.persistent, len(graph.memory_ops)
-    op_ids = np.fromiter(graph.memory_ops, dtype=np.intp, count=n)
-    bufs = np.fromiter(graph.memory_buffers, dtype=np.intp, count=n)
-    step = np.fromiter(graph.memory_bytes, dtype=np.int64, count=n)  # fromiter: half the time of np.array on a list
-    allocs = step > 0
-    for i in np.flatnonzero(step == 0).tolist():  # a buffer of no bytes: its op says which it is
-        allocs[i] = ops[op_ids[i]].kind == "alloc"
-    _check(graph, op_ids, bufs, allocs)
-    initial = np.zeros(len(CATEGORIES), dtype=np.int64)
-    for b in persistent:
-        initial[_CAT_INDEX[b.category]] += b.nbytes
-    category = np.fromiter((_CAT_INDEX[b.category] for b in graph.buffers), dtype=np.intp, count=len(graph.buffers))
+    n = len(op_ids)
+    step = np.fromiter(memory_bytes, dtype=np.int64, count=n)  # fromiter: half the time of np.array on a list
     delta = np.zeros((n + 1, len(CATEGORIES)), dtype=np.int64)  # bytes are exact integers
     delta[0] = initial
-    delta[np.arange(1, n + 1), category[bufs]] = step
+    delta[np.arange(1, n + 1), event_category] = step
     levels = np.cumsum(delta, axis=0, out=delta)
     if levels.min() < 0:
         row, col = np.argwhere(levels < 0)[0]
         raise LedgerError(f"{CATEGORIES[col]} went negative at event {row} ({graph.buffers[bufs[row - 1]].name!r})")
     total = np.cumsum(np.concatenate(([initial.sum()], step)))
-    for array in (op_ids, bufs, step, allocs, levels, total):
+    for array in (step, levels, total):
         array.flags.writeable = False
-    summed = MemoryEvents(op_ids, bufs, step, allocs, graph.memory_streams), levels, total
-    _last.entry = of, summed
-    return summed
+    last[:] = memory_bytes, (MemoryEvents(op_ids, bufs, step, allocs, graph.memory_streams, optimizer_from), levels, total)
+    return last[1]
+
+
+def _structure(graph: OpGraph) -> tuple[np.ndarray, ...]:
+    """Each event's op, buffer, whether it allocates and its buffer's category, checked (`_check`), the
+    persistent bytes by category and where the optimizer phase starts: what a re-sized graph shares with the
+    one it was made from."""
+    ops, n = graph.ops, len(graph.memory_ops)
+    op_ids = np.fromiter(graph.memory_ops, dtype=np.intp, count=n)
+    bufs = np.fromiter(graph.memory_buffers, dtype=np.intp, count=n)
+    allocs = np.fromiter((ops[i].kind == "alloc" for i in graph.memory_ops), dtype=bool, count=n)
+    _check(graph, op_ids, bufs, allocs)
+    initial = np.zeros(len(CATEGORIES), dtype=np.int64)
+    for b in graph.persistent:
+        initial[_CAT_INDEX[b.category]] += b.nbytes
+    category = np.fromiter((_CAT_INDEX[b.category] for b in graph.buffers), dtype=np.intp, count=len(graph.buffers))
+    for array in (op_ids, bufs, allocs, initial):
+        array.flags.writeable = False
+    return op_ids, bufs, allocs, category[bufs], initial, optimizer_start(ops)
 
 
 def _check(graph: OpGraph, op_ids: np.ndarray, bufs: np.ndarray, allocs: np.ndarray) -> None:

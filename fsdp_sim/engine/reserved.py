@@ -51,6 +51,7 @@ class MemoryEvents:
     deltas: np.ndarray  # signed bytes: + alloc, - free
     allocs: np.ndarray  # bool: an alloc (a buffer of no bytes has delta 0 either way)
     streams: list[str]  # its stream
+    optimizer_from: int | None  # the first op of the optimizer phase (`optimizer_start`; None: the step has none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,9 +170,10 @@ def optimizer_start(ops) -> int | None:
 
 
 def step_plan(ops, events: MemoryEvents, persistent, issued: np.ndarray, end: np.ndarray, config: AllocatorConfig,
-              optimizer_from: int | None, timeless: bool) -> StepPlan:
-    """The plan of `events` (the ledger's, in issue order); `optimizer_from` is `optimizer_start(ops)`,
-    `timeless` that no free waits for a recorded stream (`replay_allocator`'s)."""
+              timeless: bool) -> StepPlan:
+    """The plan of `events` (the ledger's, in issue order); `timeless`: no free waits for a recorded stream
+    (`replay_allocator`'s)."""
+    optimizer_from = events.optimizer_from
     ready = {} if timeless else _ready_times(ops, end, issued)
     period = float(max(end.max(), issued.max())) if len(end) else 0.0
     lazy = [(b.id, b.nbytes) for b in persistent if b.category == "optimizer_states" and optimizer_from is not None]
@@ -252,11 +254,10 @@ def replay_allocator(ops, events: MemoryEvents, persistent, issued: np.ndarray, 
     `timeless`: no free waits for a recorded stream, so no time moves the allocator; then what it sees
     (each event's buffer, bytes, stream and op, the persistent buffers, where the optimizer phase starts
     and the options) keys `MEMO`."""
-    optimizer_from = optimizer_start(ops)
-    plan_of = partial(step_plan, ops, events, persistent, issued, end, config, optimizer_from, timeless)
+    plan_of = partial(step_plan, ops, events, persistent, issued, end, config, timeless)
     key = None
     if timeless:
-        key = _memo_key(optimizer_from, persistent, config, events)
+        key = _memo_key(events.optimizer_from, persistent, config, events)
         known = MEMO.get(key)
         if known is not None:
             return replace(known, plan_of=plan_of)
@@ -285,11 +286,28 @@ _last_key = threading.local()  # this thread's last memo key: (what it digests, 
 
 
 def _digest(optimizer_from: int | None, persistent, config: AllocatorConfig, events: MemoryEvents) -> bytes:
-    h = hashlib.blake2b(repr((config, optimizer_from, [(b.id, b.nbytes, b.category) for b in persistent])).encode())
-    for part in (events.buffers, events.deltas, events.allocs, events.op_ids):
+    h = _order_digest(events).copy()
+    h.update(repr((config, optimizer_from, [(b.id, b.nbytes, b.category) for b in persistent])).encode())
+    h.update(events.deltas.tobytes())
+    return h.digest()
+
+
+def _order_digest(events: MemoryEvents):
+    """The digest of what a re-sized step shares with the one it was made from (each event's buffer, kind,
+    op and stream: the ledger's columns derived once per build), kept for the last columns digested."""
+    of = (events.buffers, events.allocs, events.op_ids, events.streams)
+    last = getattr(_last_order, "entry", None)
+    if last is not None and all(a is b for a, b in zip(of, last[0])):
+        return last[1]
+    h = hashlib.blake2b()
+    for part in of[:3]:
         h.update(part.tobytes())
     h.update("\0".join(events.streams).encode())
-    return h.digest()
+    _last_order.entry = of, h
+    return h
+
+
+_last_order = threading.local()  # this thread's last `_order_digest`: (what it digests, the hash so far)
 
 
 def _replay(plan: StepPlan) -> ReservedModel:

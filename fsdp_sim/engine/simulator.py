@@ -16,8 +16,8 @@ which runs collectives one at a time in issue order (one NCCL stream per group),
 behind a reduce-scatter waits for it whatever its stream.
 
 Ops that run beside a collective may slow each other (an NCCL kernel holds SMs and HBM bandwidth; two
-collectives share a link): `slowdown(op, running)` says by how much (it is not asked when no collective
-runs), and the device advances every running op at its rate,
+collectives share a link): `slowdowns(running)` says by how much, for every running op at once (it is not
+asked when no collective runs), and the device advances every running op at its rate,
 recomputed only when the set of running ops changes (processor sharing), so a contended op costs one
 wake-up per change instead of a fixed timeout. The SimPy environment owns event order: (time, priority,
 sequence number), deterministic.
@@ -35,7 +35,7 @@ import simpy
 
 from fsdp_sim.schedule.ops import COLLECTIVES, TIMED_KINDS, Op
 
-Slowdown = Callable[[Op, list[Op]], float]
+Slowdowns = Callable[[list[Op]], list[float]]
 
 _TIMED = frozenset(TIMED_KINDS)  # a set: one hash probe per op instead of up to five string compares
 _COLLECTIVE = frozenset(COLLECTIVES)
@@ -57,8 +57,8 @@ class Timing:
 class _Device:
     """Runs timed ops concurrently, each at 1 / slowdown of its own speed given what else runs."""
 
-    def __init__(self, player: _Player, slowdown: Slowdown) -> None:
-        self.player, self.env, self.slowdown, self.kick = player, player.env, slowdown, player.kick
+    def __init__(self, player: _Player, slowdowns: Slowdowns) -> None:
+        self.player, self.env, self.slowdowns, self.kick = player, player.env, slowdowns, player.kick
         self.running: dict[int, list] = {}  # op id -> [op, remaining uncontended seconds, slowdown, then]
         self.last = 0.0
         self.wake: simpy.Timeout | None = None  # the pending wake-up: any other that fires is stale
@@ -92,9 +92,8 @@ class _Device:
         running = self.running
         changed = False
         if self.collectives and len(running) > 1:
-            ops = [r[0] for r in running.values()]
-            for r in running.values():
-                factor = self.slowdown(r[0], ops)
+            entries = list(running.values())
+            for r, factor in zip(entries, self.slowdowns([r[0] for r in entries])):
                 if factor != r[2]:
                     r[2], changed = factor, True
             self.contended = True
@@ -167,11 +166,12 @@ class _Player:
     CPU's issue times and the device's completions are timeouts.
     """
 
-    def __init__(self, n: int, issued: list[float], slowdown: Slowdown | None) -> None:
+    def __init__(self, ops: list[Op], durations: list[float], issued: list[float], slowdowns: Slowdowns | None) -> None:
+        n = len(ops)
         self.env = simpy.Environment()
         self.now = 0.0  # env.now, read once per SimPy event (a property, else read ~1,000 times a step)
-        self.issued = issued
-        self.device = _Device(self, slowdown) if slowdown is not None else None
+        self.ops, self.durations, self.issued = ops, durations, issued  # by op id: alone on the GPU, when the CPU issues it
+        self.device = _Device(self, slowdowns) if slowdowns is not None else None
         self.start, self.end = [0.0] * n, [0.0] * n
         self.finished = [False] * n
         self.arrived = [False] * n
@@ -226,11 +226,11 @@ class _Player:
         else:
             self.device.run(op, dur, then)
 
-    def stream(self, items: list[tuple]) -> Callable[[], None]:
-        """The resume function of a stream taking its queue (`_queues`' items) in order."""
+    def stream(self, items: list) -> Callable[[], None]:
+        """The resume function of a stream taking its queue (`QueueLayout.streams`' items) in order."""
         return _Stream(self, items).advance
 
-    def lane(self, items: list[tuple]) -> Callable[[], None]:
+    def lane(self, items: list[int]) -> Callable[[], None]:
         """The resume function of a process group's lane: its collectives one at a time, in issue order."""
         return _Lane(self, items).advance
 
@@ -244,15 +244,15 @@ class _Stream:
 
     __slots__ = ("player", "items", "pos", "waited")
 
-    def __init__(self, player: _Player, items: list[tuple]) -> None:
+    def __init__(self, player: _Player, items: list) -> None:
         self.player = player
-        self.items = items  # `_queues`' items: a tuple unpacked at once, or an untimed op's id alone
+        self.items = items  # `QueueLayout.streams`' items: a tuple unpacked at once, or an untimed op's id alone
         self.pos = 0
         self.waited = -1  # the position whose issue time was waited for: it is not waited for again
 
     def advance(self) -> None:
         p, items = self.player, self.items
-        start, end, finished, waiters, issued = p.start, p.end, p.finished, p.waiters, p.issued
+        start, end, finished, waiters, issued, durations = p.start, p.end, p.finished, p.waiters, p.issued, p.durations
         now = p.now
         pos, n = self.pos, len(items)
         while pos < n:
@@ -260,12 +260,13 @@ class _Stream:
             if item.__class__ is int:  # an alloc or free waiting on nothing
                 i, collective, dur = item, False, 0.0
             else:
-                i, deps, collective, dur, op = item
+                i, deps, collective = item
                 for d in deps:
                     if not finished[d]:
                         self.pos = pos
                         p.wait_for(d, self.advance)
                         return
+                dur = durations[i]
             if issued[i] > now and self.waited != pos:
                 self.pos = pos
                 if issued[i] == _NOT_ISSUED:  # behind a CPU synchronize: resumed once it returns
@@ -287,7 +288,7 @@ class _Stream:
             start[i] = now
             if dur > 0:
                 self.pos = pos
-                p._timed(op, dur, self._timed_done)
+                p._timed(p.ops[i], dur, self._timed_done)
                 return
             end[i] = now
             finished[i] = True
@@ -314,25 +315,25 @@ class _Lane:
 
     __slots__ = ("player", "queue", "pos")
 
-    def __init__(self, player: _Player, queue: list[tuple]) -> None:
-        self.player, self.queue, self.pos = player, queue, 0  # queue: (id, seconds alone, op)
+    def __init__(self, player: _Player, queue: list[int]) -> None:
+        self.player, self.queue, self.pos = player, queue, 0  # queue: the collectives' ids
 
     def advance(self) -> None:
         p, queue = self.player, self.queue
         while self.pos < len(queue):
-            i, dur, op = queue[self.pos]
+            i = queue[self.pos]
             if not p.arrived[i]:
                 p.arrivals[i] = self.advance
                 return
             p.start[i] = p.now
-            if dur > 0:
-                p._timed(op, dur, self._done)
+            if (dur := p.durations[i]) > 0:
+                p._timed(p.ops[i], dur, self._done)
                 return
             p._finish(i)
             self.pos += 1
 
     def _done(self) -> None:
-        self.player._finish(self.queue[self.pos][0])
+        self.player._finish(self.queue[self.pos])
         self.pos += 1
         self.advance()
 
@@ -370,21 +371,67 @@ class _IssueThread:
         p.unissued.clear()
 
 
+@dataclass(frozen=True, slots=True)
+class QueueLayout:
+    """What only the ops' order, kinds, streams, groups, deps and CPU waits decide, so that ops of one
+    structure (a sweep's re-priced steps: `OpGraph.derived`) share it: each stream's queue, in order of
+    first use, of (id, deps, collective?) or the id alone of an alloc or free that waits on nothing; each
+    process group's lane of collective ids in issue order; the timed ops; the first op the CPU issues only
+    after a synchronize (-1: none)."""
+
+    streams: list[list]
+    lanes: list[list[int]]
+    timed: list[int]
+    first_wait: int
+
+
+def queue_layout(ops: list[Op]) -> QueueLayout:
+    """The `QueueLayout` of `ops` (issue order), in one pass."""
+    streams: defaultdict[str, list] = defaultdict(list)
+    lanes: defaultdict[str, list[int]] = defaultdict(list)
+    timed = []
+    first_wait = -1
+    for op in ops:
+        kind = op.kind
+        if kind not in _TIMED:  # most ops, and most wait on none: those are their id alone, no tuple
+            streams[op.stream].append((op.id, op.deps, False) if op.deps else op.id)
+        else:
+            timed.append(op.id)
+            collective = kind in _COLLECTIVE
+            streams[op.stream].append((op.id, op.deps, collective))
+            if collective:
+                lanes[op.group].append(op.id)
+        if op.cpu_wait >= 0 and first_wait < 0:
+            first_wait = op.id
+    return QueueLayout(list(streams.values()), list(lanes.values()), timed, first_wait)
+
+
 def play(ops: list[Op], duration: Callable[[Op], float], *, host_s: Callable[[Op], float] | None = None,
-         slowdown: Slowdown | None = None) -> Timing:
+         slowdowns: Slowdowns | None = None, layout: QueueLayout | None = None) -> Timing:
     """Simulate `ops` (issue order); `duration(op)` prices timed ops alone on the GPU (alloc and free take
-    no time), `host_s(op)` is the CPU issue thread's cost of a timed op (none if omitted), `slowdown(op, running)`
-    the factor >= 1 by which op runs slower beside the ops in `running` (none if omitted)."""
-    streams, lanes, host, first_wait = _queues(ops, duration, host_s)
+    no time), `host_s(op)` is the CPU issue thread's cost of a timed op (none if omitted: an alloc or free
+    costs the issue thread nothing of its own, as the caching allocator runs inside the launch of the
+    kernel that needs the memory), `slowdowns(running)` the factors >= 1 by which each op of `running` runs
+    slower beside the others (none if omitted). `layout`: `queue_layout(ops)`, when the caller keeps it."""
+    if layout is None:
+        layout = queue_layout(ops)
+    n = len(ops)
+    durations, host = [0.0] * n, [0.0] * n
+    for i in layout.timed:  # each timed op priced once
+        op = ops[i]
+        durations[i] = duration(op)
+        if host_s is not None:
+            host[i] = host_s(op)
+    first_wait = layout.first_wait
     issued = list(accumulate(host))
     if first_wait >= 0:  # issue times past the first synchronize are known only as the step plays
-        issued[first_wait:] = [_NOT_ISSUED] * (len(ops) - first_wait)
-    player = _Player(len(ops), issued, slowdown)
+        issued[first_wait:] = [_NOT_ISSUED] * (n - first_wait)
+    player = _Player(ops, durations, issued, slowdowns)
     if first_wait >= 0:
         _IssueThread(player, ops, host, first_wait).resume()
     player.draining = True  # every stream, then every lane, starts at time 0 in this order
-    player.ready.extend(player.stream(items) for items in streams.values())
-    player.ready.extend(player.lane(items) for items in lanes.values())
+    player.ready.extend(player.stream(items) for items in layout.streams)
+    player.ready.extend(player.lane(items) for items in layout.lanes)
     player.draining = False
     player.kick(lambda: None)
     player.env.run()
@@ -392,33 +439,5 @@ def play(ops: list[Op], duration: Callable[[Op], float], *, host_s: Callable[[Op
     if not all(player.finished):
         first = next(op for op, done in zip(ops, player.finished) if not done)
         raise RuntimeError(f"deadlock: ops never ran, first {first.name!r}")
-    n = len(ops)  # fromiter: two thirds of np.array's time on a list of floats
+    # fromiter: two thirds of np.array's time on a list of floats
     return Timing(*(np.fromiter(times, dtype=np.float64, count=n) for times in (player.start, player.end, issued)))
-
-
-def _queues(ops: list[Op], duration: Callable[[Op], float], host_s: Callable[[Op], float] | None) -> tuple:
-    """Each stream's queue of (id, deps, collective?, seconds alone, op), or the id alone of an alloc or
-    free that waits on nothing, and each process group's lane of (id, seconds alone, op), in issue order,
-    keyed in order of first use; the issue thread's cost of each op; the first op the CPU issues only after
-    a synchronize (-1: none). One pass, pricing each timed op once (an alloc or free costs the issue thread
-    nothing of its own: the caching allocator runs inside the launch of the kernel that needs the memory)."""
-    streams: defaultdict[str, list[tuple]] = defaultdict(list)
-    lanes: defaultdict[str, list[tuple]] = defaultdict(list)
-    host = [0.0] * len(ops)
-    first_wait = -1
-    for op in ops:
-        kind = op.kind
-        if kind not in _TIMED:  # most ops, and most wait on none: those are their id alone, no tuple
-            streams[op.stream].append((op.id, op.deps, False, 0.0, op) if op.deps else op.id)
-        else:
-            if host_s is not None:
-                host[op.id] = host_s(op)
-            if kind in _COLLECTIVE:
-                dur = duration(op)
-                streams[op.stream].append((op.id, op.deps, True, dur, op))
-                lanes[op.group].append((op.id, dur, op))
-            else:
-                streams[op.stream].append((op.id, op.deps, False, duration(op), op))
-        if op.cpu_wait >= 0 and first_wait < 0:
-            first_wait = op.id
-    return streams, lanes, host, first_wait

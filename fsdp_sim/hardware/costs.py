@@ -23,7 +23,7 @@ NCCL_HBM_TRAFFIC_PER_LINK_BYTE = 3.0  # HBM bytes per byte on the link: store, r
 
 
 class OpCosts:
-    """`duration(op)` alone, `host_s(op)` on the CPU and `slowdown(op, running)` for a (replicate x shard)
+    """`duration(op)` alone, `host_s(op)` on the CPU and `slowdowns(running)` for a (replicate x shard)
     mesh laid out node-major on `cluster`.
 
     Shard groups are consecutive ranks (as `init_device_mesh` lays out the last mesh dim), so a shard
@@ -88,29 +88,37 @@ class OpCosts:
             self._demand[op.id] = demand
         return demand
 
-    def slowdown(self, op: Op, running: list[Op]) -> float:
-        """How much slower `op` runs beside `running` (which includes op itself) than alone."""
+    def slowdowns(self, running: list[Op]) -> list[float]:
+        """How much slower each op of `running` runs beside the others than alone (>= 1 each), in its
+        order: the engine asks once per change of the running set, so what every op reads (the
+        collectives in flight, their HBM traffic, the most memory-bound compute op) is found once."""
+        comm = [o for o in running if o.kind in COLLECTIVES]
+        if not comm:
+            return [1.0] * len(running)
         hbm = self.gpu.hbm_bandwidth_Bps
-        comm = [o for o in running if o is not op and o.kind in COLLECTIVES]
-        if op.kind in COLLECTIVES:
-            # collectives of other process groups in flight share the links both cross (HSDP's shard
-            # and replicate groups meet on the NICs once a shard group spans nodes)
-            links = 1.0
-            if comm:
-                loads = [self._loads[o.group][o.kind] for o in [op, *comm]]
-                links = shared_slowdown(loads)[0]
-            memory_share = 0.0  # the most memory-bound compute op beside it (a loop: the engine's hot path)
-            for o in running:
-                if (o.kind == "compute" or o.kind == "copy") and (share := self._memory_share(o)) > memory_share:
-                    memory_share = share
-            return links * (1.0 + memory_share * self._hbm_demand(op) / hbm)
-        if not comm or op.kind not in ("compute", "copy") or op.group in HOST_GROUPS:
-            return 1.0  # a host copy runs on a copy engine, CPU work on the host: no SM nor HBM shared
+        demands = [self._hbm_demand(o) for o in comm]
+        # collectives of different process groups in flight share the links both cross (HSDP's shard and
+        # replicate groups meet on the NICs once a shard group spans nodes)
+        links = shared_slowdown([self._loads[o.group][o.kind] for o in comm]) if len(comm) > 1 else (1.0,)
+        memory_share = 0.0  # the most memory-bound compute op running, which the collectives share HBM with
+        for o in running:
+            if (o.kind == "compute" or o.kind == "copy") and (share := self._memory_share(o)) > memory_share:
+                memory_share = share
         sms = self.gpu.sm_count
         held = min(self.nccl_channels * len(comm), sms - 1)
-        memory = self._memory_share(op)
-        demand = sum([self._hbm_demand(o) for o in comm])
-        return (1.0 - memory) * sms / (sms - held) + memory * (1.0 + demand / hbm)
+        demand = sum(demands)
+        out, j = [], 0
+        for o in running:
+            kind = o.kind
+            if kind in COLLECTIVES:
+                out.append(links[j] * (1.0 + memory_share * demands[j] / hbm))
+                j += 1
+            elif (kind == "compute" or kind == "copy") and o.group not in HOST_GROUPS:
+                memory = self._memory_share(o)
+                out.append((1.0 - memory) * sms / (sms - held) + memory * (1.0 + demand / hbm))
+            else:
+                out.append(1.0)  # a host copy runs on a copy engine, CPU work on the host: no SM nor HBM shared
+        return out
 
     def _memory_share(self, op: Op) -> float:
         share = self._share.get(op.id)

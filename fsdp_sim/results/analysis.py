@@ -44,6 +44,32 @@ def _merge(starts: np.ndarray, ends: np.ndarray) -> list[tuple[float, float]]:
     return list(zip(a[first].tolist(), reach[last].tolist()))
 
 
+def _stream_order(ops: list[Op]) -> tuple[np.ndarray, ...]:
+    """What `StepResult._activity` reads of a step's structure (remembered per build: `OpGraph.derived`):
+    the compute stream's ops in order but the collectives queued there (the ops it reaches: allocs, frees
+    and kernels), its kernels, every collective, and of the ops of that order waiting on events, their
+    positions, the events' ids flattened and where each op's start (`np.maximum.reduceat`'s offsets)."""
+    chain, kernels, collectives, with_deps, deps, firsts = [], [], [], [], [], []
+    for op in ops:
+        kind = op.kind
+        if kind in COLLECTIVES:  # queued on the compute stream, a collective is communication all the same
+            collectives.append(op.id)
+            continue
+        if op.stream != "compute":
+            continue
+        if kind != "alloc" and kind != "free":
+            kernels.append(op.id)
+        if op.deps:
+            with_deps.append(len(chain))
+            firsts.append(len(deps))
+            deps.extend(op.deps)
+        chain.append(op.id)
+    arrays = tuple(np.array(x, dtype=np.intp) for x in (chain, kernels, collectives, with_deps, deps, firsts))
+    for array in arrays:
+        array.flags.writeable = False
+    return arrays
+
+
 def _length(intervals) -> float:
     return sum(b - a for a, b in intervals)
 
@@ -79,37 +105,27 @@ class StepResult:
 
     def _activity(self) -> tuple[list[tuple[float, float]], list[Op], list[Op], float]:
         """(merged compute-stream kernel intervals, the collectives, the compute-stream kernels, seconds the
-        compute stream idled for the CPU), from one pass over the ops. That is all a sweep row needs:
-        `communication()` and `compute()` walk the collectives and kernels again for what only a full
-        result shows (bytes moved, exposure by kind, time by cause)."""
+        compute stream idled for the CPU): all a sweep row needs, from the step's `_stream_order` and its
+        times in numpy. `communication()` and `compute()` walk the collectives and kernels again for what
+        only a full result shows (bytes moved, exposure by kind, time by cause).
+
+        The compute stream idled for the CPU where an op was ready (the stream done with the op before it,
+        its events done) before the CPU issued it: it starts at its issue time, so that wait is its start
+        less the time it was ready."""
         if self._activity_cache is None:
-            end, issued = self.timing.end.tolist(), self.timing.issued.tolist()
-            kernels: list[Op] = []
-            collectives: list[Op] = []
-            cpu_bound = 0.0
-            stream_free = 0.0  # when the compute stream finished its previous op
-            for op in self.graph.ops:  # tests ordered so the commonest ops pass the fewest (a quarter of the pass)
-                kind = op.kind
-                if op.stream != "compute":
-                    if kind in COLLECTIVES:
-                        collectives.append(op)
-                    continue
-                if kind == "alloc" or kind == "free":  # most ops: the stream reaches them, no kernel runs
-                    pass
-                elif kind in COLLECTIVES:  # queued on the compute stream, a collective is communication all the same
-                    collectives.append(op)
-                    continue
-                else:
-                    kernels.append(op)
-                i = op.id
-                # the stream idled for the CPU when the op was ready (stream free, events done) before issue;
-                # an op issued by the time the stream was free never was (its deps need no look: most ops)
-                if issued[i] > stream_free:
-                    ready = max([stream_free] + [end[d] for d in op.deps])
-                    if issued[i] > ready:
-                        cpu_bound += float(self.timing.start[i]) - ready
-                stream_free = end[i]
-            self._activity_cache = (self._union(kernels), collectives, kernels, cpu_bound)
+            ops, timing = self.graph.ops, self.timing
+            chain, kernels, collectives, with_deps, deps, firsts = self.graph.derived(
+                "stream order", lambda: _stream_order(self.graph.ops))
+            ready = np.empty(len(chain))  # when the stream was done with the op before
+            if len(chain):
+                ready[0] = 0.0
+                ready[1:] = timing.end[chain[:-1]]
+            if len(with_deps):
+                ready[with_deps] = np.maximum(ready[with_deps], np.maximum.reduceat(timing.end[deps], firsts))
+            idle = timing.issued[chain] > ready
+            cpu_bound = sum((timing.start[chain][idle] - ready[idle]).tolist(), 0.0)  # in stream order, as a loop adds
+            self._activity_cache = (_merge(timing.start[kernels], timing.end[kernels]), [ops[i] for i in collectives],
+                                    [ops[i] for i in kernels], cpu_bound)
         return self._activity_cache
 
     def _union(self, ops: list[Op]) -> list[tuple[float, float]]:

@@ -14,7 +14,9 @@ The ops are a list in issue order and each op lists the earlier ops it waits on;
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import networkx as nx
 
@@ -119,6 +121,7 @@ class OpGraph:
         self.memory_sites: list[tuple[str, str, str, tuple[int | None, ...]]] = []
         self._stream_waits: dict[str, list[Op]] = {}  # wait_event: deps for the next op on a stream
         self._synchronize: Op | None = None  # synchronize: the CPU waits it before issuing the next op
+        self._derived: dict[str, tuple[int, object]] = {}  # `derived`'s: shared with the graphs `with_ops` makes
 
     def wait_event(self, stream: str, event: Op | None) -> None:
         """`stream.wait_event(event)` / `wait_stream`: the next op queued on `stream` (whatever adds it)
@@ -186,11 +189,25 @@ class OpGraph:
         """Record that `module`'s `kind` pass (after module `prev`) allocated `buffers` from its bytes."""
         self.memory_sites.append((kind, module, prev, tuple(None if b is None else b.id for b in buffers)))
 
+    def derived(self, name: str, derive: Callable[[], Any]) -> Any:
+        """`derive()`, remembered under `name` for this graph's structure: the order of its ops, their kinds,
+        streams, groups, phases, deps and buffer ids, the memory columns but their bytes, and the persistent
+        buffers. The graphs `with_ops` makes keep all of that and share what is remembered, so a sweep's
+        re-sized and re-priced steps (schedule/build.py) derive their stream queues and ledger columns once
+        per build. A graph only grows, so its op count dates what was derived: one that grew since derives
+        anew. Read-only."""
+        entry = self._derived.get(name)
+        if entry is None or entry[0] != len(self.ops):
+            entry = self._derived[name] = (len(self.ops), derive())
+        return entry[1]
+
     def with_ops(self, ops: list[Op | MemoryOp], buffers: list[Buffer] | None = None,
                  memory_bytes: list[int] | None = None) -> OpGraph:
-        """This graph with `ops` in place of its own (the same ids) and, if given, `buffers` and the memory
-        events' bytes (the same buffer ids, sizes changed: schedule/build.py), sharing everything else:
-        the memory columns and sites are read-only once a graph is built."""
+        """This graph with `ops` in place of its own and, if given, `buffers` and the memory events' bytes
+        (the same buffer ids, sizes changed: schedule/build.py), sharing everything else: the memory columns
+        and sites are read-only once a graph is built. Each op keeps its id, kind, stream, group, phase, deps,
+        buffer id, `record_stream` and `cpu_wait` (only what it computes or allocates changes), so the two
+        graphs share what `derived` remembers."""
         graph = copy.copy(self)
         graph.ops = ops
         if buffers is not None:
