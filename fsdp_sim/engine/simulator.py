@@ -66,6 +66,7 @@ class _Device:
         self.unmade: float | None = None  # the delay of a wake-up decided but not yet made a timeout (`flush`)
         self.collectives = 0  # running collectives: without one nothing contends
         self.contended = False  # some running op's slowdown is not 1
+        self.changed = False  # the running set changed while contended: rates are recomputed at `flush`
 
     def run(self, op: Op, work: float, then: Callable[[], None]) -> None:
         """Start op with `work` uncontended seconds; `then()` is queued when it completes."""
@@ -77,7 +78,7 @@ class _Device:
         if op.kind in _COLLECTIVE:
             self.collectives += 1
         if self.collectives or self.contended:
-            self._rerate(now)
+            self.changed = True
         elif self.wake_op not in running or now + work < self.wake_at:
             self._schedule(now, work, op.id)  # uncontended: only whether this op ends first matters
 
@@ -120,9 +121,15 @@ class _Device:
         self.unmade = delay
 
     def flush(self) -> None:
-        """Make the decided wake-up a SimPy timeout. The player calls this before any other timeout is made
-        and before control returns to SimPy, so the timeout gets the place in SimPy's order it would have had
-        if made at `_schedule`; a wake-up replaced within one callback (a quarter of them) is never made."""
+        """Recompute the rates if the running set changed, and make the decided wake-up a SimPy timeout. The
+        player calls this before any other timeout is made and before control returns to SimPy, so the
+        timeout gets the place in SimPy's order it would have had if made at `_schedule`; a wake-up replaced
+        within one callback (a quarter of them) is never made, and an op that ends and the one its stream
+        starts next, at the same time, cost one recomputation of the rates, not two (no time passes between
+        them, so no op progressed at the rates in between)."""
+        if self.changed:
+            self.changed = False
+            self._rerate(self.player.now)
         if self.unmade is not None:
             self.wake = wake = self.env.timeout(self.unmade)
             wake.callbacks.append(self._wake)
@@ -151,7 +158,7 @@ class _Device:
             if op.kind in _COLLECTIVE:
                 self.collectives -= 1
             thens.append(then)
-        self._rerate(now)
+        self.changed = True
         for then in thens:
             self.kick(then)
 

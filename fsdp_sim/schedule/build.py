@@ -53,7 +53,7 @@ _SIZES = tuple(sorted(SIZE_FIELDS))
 _UNREAD = frozenset({"name", "model_flops", "meta", "tokens", "modules", "input_bytes"})
 _WORKLOAD_VIEW = tuple(f.name for f in fields(Workload) if f.name not in _UNREAD)
 
-_last = threading.local()  # this thread's last build: [key, graph, its events by buffer]; Dask may use threads
+_last = threading.local()  # this thread's last build: (key, graph); Dask may use threads
 
 
 def build_step(workload: Workload, units: list[Unit], settings: FSDPSettings) -> OpGraph:
@@ -69,7 +69,7 @@ def build_step(workload: Workload, units: list[Unit], settings: FSDPSettings) ->
         if graph is not None:
             return graph
     graph = build(workload, units, settings)
-    _last.entry = [key, graph, None] if graph.compute_sites is not None else None
+    _last.entry = (key, graph) if graph.compute_sites is not None else None
     return graph
 
 
@@ -99,7 +99,7 @@ def _plans_view(workload: Workload, settings: FSDPSettings, with_sizes: bool) ->
     return tuple(plans)
 
 
-def _rebuilt(last: list, workload: Workload, settings: FSDPSettings, *, resize: bool) -> OpGraph | None:
+def _rebuilt(last: tuple, workload: Workload, settings: FSDPSettings, *, resize: bool) -> OpGraph | None:
     """The last build's graph with each module pass's compute op made again from `workload`'s module
     (`module_work`) and, with `resize`, each buffer a memory site sized made again at its new size; None
     when a pass would allocate other buffers than it did (a size that is now zero, or no longer)."""
@@ -113,16 +113,14 @@ def _rebuilt(last: list, workload: Workload, settings: FSDPSettings, *, resize: 
         if sizes is None:
             return None
         if sizes:
-            if last[2] is None:
-                last[2] = _events_by_buffer(graph)
+            events = graph.derived("events by buffer", lambda: _events_by_buffer(graph))
             buffers, memory_bytes = list(buffers), list(memory_bytes)
             for b, nbytes in sizes.items():
                 old = buffers[b]
                 new = buffers[b] = Buffer(old.id, old.name, old.category, nbytes, old.unit)
-                for k in last[2][b]:
-                    i = graph.memory_ops[k]
+                for k, i, sign in events[b]:
                     ops[i] = ops[i].with_buffer(new)
-                    memory_bytes[k] = nbytes if ops[i].kind == "alloc" else -nbytes
+                    memory_bytes[k] = sign * nbytes
     for i, name, kernel_pass in graph.compute_sites:
         ops[i] = ops[i].with_work(*module_work(modules[name], plans.get(name), kernel_pass, compute_bytes,
                                                activation_bytes))
@@ -152,9 +150,9 @@ def _new_sizes(graph: OpGraph, workload: Workload, modules: dict[str, Module], p
     return changed
 
 
-def _events_by_buffer(graph: OpGraph) -> dict[int, list[int]]:
-    """The indices of each buffer's alloc and free among the graph's memory events."""
-    events: dict[int, list[int]] = {}
-    for k, b in enumerate(graph.memory_buffers):
-        events.setdefault(b, []).append(k)
+def _events_by_buffer(graph: OpGraph) -> dict[int, list[tuple[int, int, int]]]:
+    """Each buffer's alloc and free as (index among the graph's memory events, op id, +1 alloc / -1 free)."""
+    events: dict[int, list[tuple[int, int, int]]] = {}
+    for k, (b, i) in enumerate(zip(graph.memory_buffers, graph.memory_ops)):
+        events.setdefault(b, []).append((k, i, 1 if graph.ops[i].kind == "alloc" else -1))
     return events
