@@ -57,14 +57,9 @@ def sample() -> list[dict]:
 
 
 def load(package: str):
-    """(run one point, empty the allocator memo and, where the version has one, the repeated rows') of `package`."""
+    """(run one point, empty the allocator memo) of `package`."""
     sweep, reserved = (importlib.import_module(f"{package}.{n}") for n in ("sweep", "engine.reserved"))
-
-    def forget() -> None:
-        reserved.MEMO.clear()
-        if hasattr(sweep, "_repeats"):
-            sweep._repeats().clear()
-    return (lambda data: sweep.run_point(data, SCENARIO.parent)), forget
+    return (lambda data: sweep.run_point(data, SCENARIO.parent)), reserved.MEMO.clear
 
 
 def interleaved(first, second, points: list[dict], rounds: int) -> tuple[float, float]:

@@ -38,7 +38,7 @@ from fsdp_sim.executors import open_runner
 from fsdp_sim.grid import combine, load_grid
 from fsdp_sim.scenario import parse_scenario
 from fsdp_sim.simulate import simulate
-from fsdp_sim.sweep import _repeats, _row, dispatch_order, points, run_point, sweep_points
+from fsdp_sim.sweep import _row, dispatch_order, points, run_point, sweep_points
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = ROOT / "scenarios" / "llama3-8b-8xh100.yaml"
@@ -104,21 +104,19 @@ def one_core(repeats: int = 30) -> None:
 
 def phases(n: int = 200) -> None:
     """CPU ms per point by phase over `n` points of the grid in a worker's order (consecutive points of
-    `dispatch_order`, from the middle of the grid), each run with the allocator memo and the repeated rows empty at its start, as a
-    worker's are; cProfile's shares overstate the parts that make many small calls (the graph build)."""
+    `dispatch_order`, from the middle of the grid), each run with the allocator memo empty at its start, as a
+    worker's is; cProfile's shares overstate the parts that make many small calls (the graph build)."""
     todo = _todo()
     order = dispatch_order(todo)
     sample = [todo[i] for i in order[len(order) // 2:len(order) // 2 + n]]
     for data in sample:  # prices and workloads, as a worker has them after its first points
         run_point(data, SCENARIO.parent)
     MEMO.clear()
-    _repeats().clear()
     t0 = time.process_time()
     for data in sample:
         run_point(data, SCENARIO.parent)
     per_point = (time.process_time() - t0) / n
     MEMO.clear()
-    _repeats().clear()
     profile = cProfile.Profile()
     profile.runcall(lambda: [run_point(data, SCENARIO.parent) for data in sample])
     stats = pstats.Stats(profile).stats  # (file, line, function) -> (calls, _, own s, cumulative s, callers)
@@ -136,8 +134,6 @@ def main() -> None:
     executors = sys.argv[3].split(",") if len(sys.argv) > 3 else ["local"]
     one_core()
     phases()
-    MEMO.clear()  # a forked worker would start with what the phases remembered
-    _repeats().clear()
     print(f"{'executor':<12}{'workers':>8}{'points':>9}{'wall s':>9}{'CPU s':>9}{'configs/s':>11}{'configs/CPU s':>15}"
           f"{'s per 10,000':>14}{'CPU s per 10,000':>18}{'errors':>8}{'start-up s':>12}")
     for executor in executors:

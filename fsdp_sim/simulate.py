@@ -9,14 +9,12 @@ from fsdp_sim.hardware.costs import OpCosts
 from fsdp_sim.results.analysis import StepResult
 from fsdp_sim.scenario import Scenario
 from fsdp_sim.schedule.build import build_step
-from fsdp_sim.schedule.ops import OpGraph
 from fsdp_sim.schedule.settings import post_forward_group
 from fsdp_sim.schedule.tp import tp_pricing
 
 
-def simulate(scenario: Scenario, graph: OpGraph | None = None) -> StepResult:
-    """Simulate one training step of `scenario` on one representative rank (`graph`: its step's graph, when
-    the caller built it already: `build_step(scenario.workload, scenario.units, scenario.settings)`).
+def simulate(scenario: Scenario) -> StepResult:
+    """Simulate one training step of `scenario` on one representative rank.
 
     The cyclic garbage collector is paused meanwhile: a step creates thousands of small acyclic
     objects (ops, buffers, events), and collection passes over them are pure overhead in a sweep.
@@ -24,8 +22,7 @@ def simulate(scenario: Scenario, graph: OpGraph | None = None) -> StepResult:
     paused = gc.isenabled()
     gc.disable()
     try:
-        if graph is None:
-            graph = build_step(scenario.workload, scenario.units, scenario.settings)
+        graph = build_step(scenario.workload, scenario.units, scenario.settings)
         costs = op_costs(scenario)
         layout = graph.derived("queues", lambda: queue_layout(graph.ops))  # one per build (a sweep's twins share it)
         timing = play(graph.ops, costs.duration, host_s=costs.host_s, slowdowns=costs.slowdowns, layout=layout)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import gc
 import sys
-import threading
 from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
@@ -27,7 +26,6 @@ from fsdp_sim.executors import check as check_executor, open_runner
 from fsdp_sim.grid import SECTIONS, Axis, columns, combinations, combine, load_grid, parse_assignment
 from fsdp_sim.results.report import COLUMNS
 from fsdp_sim.scenario import parse_scenario
-from fsdp_sim.schedule.build import build_step, structure_class
 from fsdp_sim.simulate import simulate
 
 __all__ = ["COLUMNS", "parse_assignment", "points", "run_point", "largest_fitting", "search_axes", "sweep", "sweep_points"]
@@ -95,56 +93,12 @@ def run_point(data: dict, base: Path) -> dict:
     paused = gc.isenabled()
     gc.disable()
     try:
-        scenario = parse_scenario(data, name="sweep", base=base)
-        graph = build_step(scenario.workload, scenario.units, scenario.settings)
-        key = _repeat_key(scenario, graph)
-        repeats = _repeats()
-        known = repeats.get(key) if key is not None else None
-        if known is not None and known[0] is scenario.workload and known[1] == scenario.cluster:
-            return dict(known[2])
-        row = _row(simulate(scenario, graph))
-        if key is not None:
-            if len(repeats) >= MAX_REPEATS:
-                repeats.clear()
-            repeats[key] = scenario.workload, scenario.cluster, row  # the workload held: its id stays its own
-        return dict(row)
+        return _row(simulate(parse_scenario(data, name="sweep", base=base)))
     except ScenarioError as exc:
         return {"error": str(exc)}
     finally:
         if paused:
             gc.enable()
-
-
-# What a step reads of its settings outside the build of its graph (the pricing, the play, the memory replay and
-# the row): tests/test_repeats.py records every read and fails if one is missing here
-SETTINGS_READ = ("grad_accumulation", "param_dtype", "post_forward_sizes", "replicate_size", "sequence_parallel",
-                 "shard_size", "tp")
-MAX_REPEATS = 100_000  # rows remembered per thread (a few hundred bytes each)
-
-
-def _repeat_key(scenario, graph) -> tuple | None:
-    """What decides a point's row once its graph is built: the graph's structure class (schedule/build.py
-    `structure_class`: the same for settings that differ only where the runtime ignores them), what its
-    re-sizes read (the workload, checkpointing, param bytes), and what the rest of the step reads (the
-    settings in SETTINGS_READ, the compute options, the allocator, the safety margin; the workload and the
-    cluster, compared by the memo). None: a graph without a class (plain, TP, bytes read elsewhere)."""
-    token = structure_class(graph)
-    if token is None:
-        return None
-    s = scenario.settings
-    return (token, id(scenario.workload), s.ac_mode, s.ac_every, s.param_bytes, scenario.safety_margin,
-            scenario.compute, scenario.allocator, *(getattr(s, f) for f in SETTINGS_READ))
-
-
-def _repeats() -> dict:
-    """This thread's rows by `_repeat_key` (Dask may run points in threads)."""
-    rows = getattr(_repeated, "rows", None)
-    if rows is None:
-        rows = _repeated.rows = {}
-    return rows
-
-
-_repeated = threading.local()
 
 
 def largest_fitting(fits: Callable[[int], bool], limit: int = MAX_BATCH_LIMIT) -> int:

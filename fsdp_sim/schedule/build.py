@@ -70,60 +70,7 @@ def build_step(workload: Workload, units: list[Unit], settings: FSDPSettings) ->
             return graph
     graph = build(workload, units, settings)
     _last.entry = (key, graph) if graph.compute_sites is not None else None
-    if _last.entry is not None and not fixed:
-        graph.derived("structure class", lambda: _structure_class(graph))
     return graph
-
-
-def structure_class(graph: OpGraph) -> object | None:
-    """A token shared by the graphs whose re-sizes and re-prices are equal at equal inputs (the same workload,
-    checkpointing, param dtype): the fresh builds, of any settings, that equal each other but for their module
-    passes' compute and the bytes their memory sites sized (and the graphs made from them). A sweep's points whose
-    settings differ only where the runtime ignores them (backward prefetch when nothing is all-gathered in the
-    backward, the sharding strategy of one whole-model unit) then share it (sweep.py `Repeats`). None: a graph
-    not made to be re-sized (plain, TP, bytes read elsewhere)."""
-    return graph.derived("structure class", lambda: None)
-
-
-_MAX_CLASSES = 64  # structures remembered per thread: a grid's settings meet theirs within a few dozen builds
-
-
-def _structure_class(graph: OpGraph) -> object:
-    """The token of `graph`'s structure (`structure_class`), a new one for a structure not seen lately."""
-    shape = _structure(graph)
-    classes = getattr(_classes, "known", None)
-    if classes is None:
-        classes = _classes.known = []
-    for known, token in classes:
-        if known == shape:
-            return token
-    token = object()
-    classes.append((shape, token))
-    del classes[:-_MAX_CLASSES]
-    return token
-
-
-_classes = threading.local()  # this thread's recent structures: [(structure, token)]
-
-
-def _structure(graph: OpGraph) -> tuple:
-    """Everything of `graph` but what `_rebuilt` makes again: each op, with a compute site's work and a memory
-    op's buffer as its id; each buffer, a memory site's without its bytes; the columns but their bytes; the sites."""
-    sites = {i for i, _, _ in graph.compute_sites}
-    sized = {b for *_, ids in graph.memory_sites for b in ids if b is not None}
-    ops = []
-    for op in graph.ops:
-        if op.kind == "alloc" or op.kind == "free":
-            ops.append((op.kind, op.stream, op.name, op.unit, op.phase, op.deps, op.buffer.id, op.record_stream,
-                        op.cpu_wait))
-        elif op.id in sites:
-            ops.append((op.kind, op.stream, op.name, op.unit, op.phase, op.deps, op.comm_bytes, op.group, op.buffer,
-                        op.kernel_pass, op.launches, op.record_stream, op.cpu_wait))
-        else:
-            ops.append(op)
-    buffers = [(b.id, b.name, b.category, b.unit) if b.id in sized else b for b in graph.buffers]
-    return (ops, buffers, graph.persistent, graph.memory_ops, graph.memory_buffers, graph.memory_streams,
-            graph.memory_sites, graph.compute_sites, graph.recorded_frees, graph.host)
 
 
 def _bytes_read_elsewhere(settings: FSDPSettings) -> bool:
