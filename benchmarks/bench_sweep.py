@@ -134,6 +134,7 @@ def main() -> None:
     executors = sys.argv[3].split(",") if len(sys.argv) > 3 else ["local"]
     one_core()
     phases()
+    MEMO.clear()  # a forked worker would start with the replays the phases remembered
     print(f"{'executor':<12}{'workers':>8}{'points':>9}{'wall s':>9}{'CPU s':>9}{'configs/s':>11}{'configs/CPU s':>15}"
           f"{'s per 10,000':>14}{'CPU s per 10,000':>18}{'errors':>8}{'start-up s':>12}")
     for executor in executors:
