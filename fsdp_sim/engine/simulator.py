@@ -66,7 +66,7 @@ class _Device:
         self.unmade: float | None = None  # the delay of a wake-up decided but not yet made a timeout (`flush`)
         self.collectives = 0  # running collectives: without one nothing contends
         self.contended = False  # some running op's slowdown is not 1
-        self.changed = False  # the running set changed while contended: rates are recomputed at `flush`
+        self.rerate_due = False  # the running set changed while contended: rates are recomputed at `flush`
 
     def run(self, op: Op, work: float, then: Callable[[], None]) -> None:
         """Start op with `work` uncontended seconds; `then()` is queued when it completes."""
@@ -78,7 +78,7 @@ class _Device:
         if op.kind in _COLLECTIVE:
             self.collectives += 1
         if self.collectives or self.contended:
-            self.changed = True
+            self.rerate_due = True
         elif self.wake_op not in running or now + work < self.wake_at:
             self._schedule(now, work, op.id)  # uncontended: only whether this op ends first matters
 
@@ -127,8 +127,8 @@ class _Device:
         within one callback (a quarter of them) is never made, and an op that ends and the one its stream
         starts next, at the same time, cost one recomputation of the rates, not two (no time passes between
         them, so no op progressed at the rates in between)."""
-        if self.changed:
-            self.changed = False
+        if self.rerate_due:
+            self.rerate_due = False
             self._rerate(self.player.now)
         if self.unmade is not None:
             self.wake = wake = self.env.timeout(self.unmade)
@@ -158,7 +158,7 @@ class _Device:
             if op.kind in _COLLECTIVE:
                 self.collectives -= 1
             thens.append(then)
-        self.changed = True
+        self.rerate_due = True
         for then in thens:
             self.kick(then)
 
@@ -381,7 +381,7 @@ class _IssueThread:
 @dataclass(frozen=True, slots=True)
 class QueueLayout:
     """What only the ops' order, kinds, streams, groups, deps and CPU waits decide, so that ops of one
-    structure (a sweep's re-priced steps: `OpGraph.derived`) share it: each stream's queue, in order of
+    structure (a sweep's re-sized and re-priced steps: `OpGraph.derived`) share it: each stream's queue, in order of
     first use, of (id, deps, collective?) or the id alone of an alloc or free that waits on nothing; each
     process group's lane of collective ids in issue order; the timed ops; the first op the CPU issues only
     after a synchronize (-1: none)."""

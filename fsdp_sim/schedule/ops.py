@@ -195,7 +195,8 @@ class OpGraph:
         buffers. The graphs `with_ops` makes keep all of that and share what is remembered, so a sweep's
         re-sized and re-priced steps (schedule/build.py) derive their stream queues and ledger columns once
         per build. A graph only grows, so its op count dates what was derived: one that grew since derives
-        anew. Read-only."""
+        anew. Read-only, but for a slot a caller derives to keep as its own one-entry cache (the ledger's
+        levels, for the bytes it summed last)."""
         entry = self._derived.get(name)
         if entry is None or entry[0] != len(self.ops):
             entry = self._derived[name] = (len(self.ops), derive())
