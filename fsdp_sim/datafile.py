@@ -12,12 +12,14 @@ loader only: no tag constructs a Python object.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from fsdp_sim.errors import ScenarioError, show
+from fsdp_sim.scientific import from_scientific
 
 SAFE_LOADER = _SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's safe loader when PyYAML has it
 MAX_DEPTH = 32  # levels of nested lists and mappings; fsdp-sim's own files use at most 6
@@ -32,6 +34,50 @@ def reject_unknown_keys(where: str, data: dict, allowed) -> None:
     for key in data:
         if not isinstance(key, str) or key not in allowed:
             raise ScenarioError(f"{prefix}{key}: unknown key, expected one of {sorted(allowed)}")
+
+
+MISSING = object()  # get_key's default: the key is required
+
+
+def expect_mapping(section: str, data: Any) -> dict:
+    """`data` as a section's mapping: nothing (null) is an empty one, anything else but a mapping is refused."""
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{section}: expected a mapping, got {type(data).__name__}")
+    return data
+
+
+def get_key(section: str, data: dict, key: str, kind: type, default=MISSING, *, choices=None, positive=False,
+            maximum=None):
+    """`data[key]` checked: of `kind` (an int may be written 2.0, a float as an int; floats are finite),
+    in `choices`, positive, at most `maximum` (a stated limit, so absurd sizes are refused before any work).
+    Every section's parser uses it, the scenario's and each feature's beside its feature: it lives here, below
+    them all, so that the imports run one way."""
+    value = from_scientific(data.get(key, default), kind)  # 1e8: a string to YAML 1.1, a number here when exact
+    where = f"{section}.{key}"
+    if value is MISSING:
+        raise ScenarioError(f"{where}: missing (required)")
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value) if abs(value) < 1 << 1000 else math.inf
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if value is None:
+        if default is None:  # the key is optional and null means "not set"
+            return None
+        raise ScenarioError(f"{where}: expected {kind.__name__}, got nothing (null)")
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        expected = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(kind, kind.__name__)
+        raise ScenarioError(f"{where}: expected {expected}, got {show(value)}")
+    if kind is float and not math.isfinite(value):
+        raise ScenarioError(f"{where}: expected a finite number, got {value!r}")
+    if choices is not None and value not in choices:
+        raise ScenarioError(f"{where}: {show(value)} is not one of {list(choices)}")
+    if positive and value <= 0:
+        raise ScenarioError(f"{where}: must be positive, got {show(value)}")
+    if maximum is not None and value > maximum:
+        raise ScenarioError(f"{where}: {show(value)} is past the limit of {maximum:,}")
+    return value
 
 
 def check_mapping(where: str, data: Any, required: set[str], optional: set[str] = frozenset()) -> dict:

@@ -7,13 +7,12 @@ impossible combination raises `ScenarioError` naming the key and what was expect
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 
-from fsdp_sim.datafile import read_data, reject_unknown_keys
+from fsdp_sim.datafile import expect_mapping, get_key, read_data, reject_unknown_keys
 from fsdp_sim.deepspeed_words import ZERO_STAGES
 from fsdp_sim.engine.allocator import AllocatorConfig, allocator_config
 from fsdp_sim.dtypes import DTYPE_BYTES
@@ -26,7 +25,6 @@ from fsdp_sim.schedule.offload import host_memory_key, offload_keys
 from fsdp_sim.schedule.fsdp1_scenario import FSDP1_ONLY, fsdp1_options, fsdp1_settings
 from fsdp_sim.schedule.plain import plain_version
 from fsdp_sim.schedule.settings import FSDPSettings, post_forward_size
-from fsdp_sim.scientific import from_scientific
 from fsdp_sim.workload import PRESETS, TransformerDims, Workload, build_transformer
 from fsdp_sim.workload.model import derived
 from fsdp_sim.workload.transformer import DIM_LIMITS, MAX_LAYERS, MAX_SEQ
@@ -42,47 +40,6 @@ STRATEGIES = {  # FSDP1 name -> (mesh, default reshard_after_forward) as FSDP2 e
     "FULL_SHARD": ("1d", True), "SHARD_GRAD_OP": ("1d", False), "HYBRID_SHARD": ("2d", True),
     "_HYBRID_SHARD_ZERO2": ("2d", False), "NO_SHARD": ("replicate", False),
 }
-_MISSING = object()
-
-
-def _expect(section: str, data: Any) -> dict:
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ScenarioError(f"{section}: expected a mapping, got {type(data).__name__}")
-    return data
-
-
-def _get(section: str, data: dict, key: str, kind: type, default=_MISSING, *, choices=None, positive=False,
-         maximum=None):
-    """`data[key]` checked: of `kind` (an int may be written 2.0, a float as an int; floats are finite),
-    in `choices`, positive, at most `maximum` (a stated limit, so absurd sizes are refused before any work)."""
-    value = from_scientific(data.get(key, default), kind)  # 1e8: a string to YAML 1.1, a number here when exact
-    where = f"{section}.{key}"
-    if value is _MISSING:
-        raise ScenarioError(f"{where}: missing (required)")
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value) if abs(value) < 1 << 1000 else math.inf
-    if kind is int and isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if value is None:
-        if default is None:  # the key is optional and null means "not set"
-            return None
-        raise ScenarioError(f"{where}: expected {kind.__name__}, got nothing (null)")
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        expected = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(kind, kind.__name__)
-        raise ScenarioError(f"{where}: expected {expected}, got {show(value)}")
-    if kind is float and not math.isfinite(value):
-        raise ScenarioError(f"{where}: expected a finite number, got {value!r}")
-    if choices is not None and value not in choices:
-        raise ScenarioError(f"{where}: {show(value)} is not one of {list(choices)}")
-    if positive and value <= 0:
-        raise ScenarioError(f"{where}: must be positive, got {show(value)}")
-    if maximum is not None and value > maximum:
-        raise ScenarioError(f"{where}: {show(value)} is past the limit of {maximum:,}")
-    return value
-
-
 @dataclass(frozen=True, slots=True)
 class Scenario:
     """A validated scenario: the workload, its FSDP units, the cluster and the FSDP settings."""
@@ -105,11 +62,11 @@ _DIM_KEYS = {f.name for f in fields(TransformerDims)}
 
 def _model_dims(raw: dict) -> tuple[str, TransformerDims]:
     reject_unknown_keys("model", raw, _DIM_KEYS | {"preset"})
-    preset = _get("model", raw, "preset", str, None)
+    preset = get_key("model", raw, "preset", str, None)
     overrides = {k: v for k, v in raw.items() if k != "preset"}
     for key in overrides:  # the checked values (2.0 as 2): a float must not reach the byte counts
         kind = bool if key in ("bias", "tie_embeddings", "learned_pos", "dropout") else str if key in ("mlp", "norm", "attention", "norm_impl") else int
-        overrides[key] = _get("model", overrides, key, kind, maximum=DIM_LIMITS.get(key))
+        overrides[key] = get_key("model", overrides, key, kind, maximum=DIM_LIMITS.get(key))
     if preset is not None:
         if preset not in PRESETS:
             raise ScenarioError(f"model.preset: unknown preset {show(preset)}, expected one of {sorted(PRESETS)}")
@@ -164,7 +121,7 @@ def _workload(model: dict, *, micro_batch: int, seq_len: int, act_dtype: str, ba
         if len(model) > 1:
             other = sorted(map(str, set(model) - {sources[0]}))[0]
             raise ScenarioError(f"model.{other}: not allowed beside model.{sources[0]}")
-        path = _get("model", model, sources[0], str)
+        path = get_key("model", model, sources[0], str)
         path = Path(path) if Path(path).is_absolute() else base / path
         if sources[0] == "hf_config":
             from fsdp_sim.workload.hf_config import build_from_hf_config
@@ -180,13 +137,13 @@ def _workload(model: dict, *, micro_batch: int, seq_len: int, act_dtype: str, ba
 def _compute_options(compute: dict) -> ComputeOptions:
     """`compute.*`: TF32 for fp32 matmuls (PyTorch's default is off), torch.compile, the SDPA backend and the
     torch version whose default backend order picks it."""
-    version = _get("compute", compute, "torch_version", str, "2.13")
+    version = get_key("compute", compute, "torch_version", str, "2.13")
     parts = version.split(".")
     if not 2 <= len(parts) <= 3 or not all(p.isdigit() and len(p) <= 4 for p in parts):
         raise ScenarioError(f"compute.torch_version: expected a version such as '2.13' or '2.5.1', got {version[:40]!r}")
-    return ComputeOptions(allow_tf32=_get("compute", compute, "allow_tf32", bool, False),
-                          torch_compile=_get("compute", compute, "torch_compile", bool, False),
-                          sdpa_backend=_get("compute", compute, "sdpa_backend", str, "auto", choices=SDPA_BACKENDS),
+    return ComputeOptions(allow_tf32=get_key("compute", compute, "allow_tf32", bool, False),
+                          torch_compile=get_key("compute", compute, "torch_compile", bool, False),
+                          sdpa_backend=get_key("compute", compute, "sdpa_backend", str, "auto", choices=SDPA_BACKENDS),
                           torch_version=tuple(int(p) for p in parts))
 
 
@@ -198,11 +155,11 @@ def _network(hardware: dict, profile: Network) -> Network | None:
     """`hardware.network`: the profile's NICs with the keys given replaced (None when the key is absent)."""
     if "network" not in hardware:
         return None
-    network = _expect("hardware.network", hardware["network"])
+    network = expect_mapping("hardware.network", hardware["network"])
     reject_unknown_keys("hardware.network", network, set(NETWORK_SCALARS))
     given = {}
     for key in network:
-        value = _get("hardware.network", network, key, _NETWORK_KINDS[key])
+        value = get_key("hardware.network", network, key, _NETWORK_KINDS[key])
         given[key] = check_network_value(f"hardware.network.{key}", key, value)
     return replace(profile, **given)
 
@@ -270,7 +227,7 @@ def _check_trace_times(workload: Workload, peak: float, gpu: str) -> None:
 
 def _name(data: dict, default: str) -> str:
     """`name`: one printable line (it heads the summary); a file name that is not is shown escaped."""
-    name = _get("scenario", data, "name", str, default)
+    name = get_key("scenario", data, "name", str, default)
     if not name.isprintable() or len(name) > 200:
         if "name" in data:
             raise ScenarioError(f"name: expected one printable line of at most 200 characters, got {show(name)}")
@@ -289,17 +246,17 @@ def _profile_ref(value: str, base: Path) -> str:
 def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) -> Scenario:
     """Check and resolve scenario data; relative file paths inside it are taken from `base`."""
     base = base or Path.cwd()
-    data = _expect("scenario", data)
+    data = expect_mapping("scenario", data)
     reject_unknown_keys("scenario", data, {"name", "model", "training", "hardware", "fsdp", "compute", "report",
                                            "allocator", "parallelism"})
     if "model" not in data:
         raise ScenarioError("model: missing (a preset name, transformer dimensions, hf_config or workload)")
     model = data["model"]
-    model = _expect("model", {"preset": model} if isinstance(model, str) else model)
+    model = expect_mapping("model", {"preset": model} if isinstance(model, str) else model)
     adaptation = {k: model[k] for k in ADAPTATION_KEYS if k in model}  # workload/lora.py: frozen, LoRA, QLoRA
     model = {k: v for k, v in model.items() if k not in ADAPTATION_KEYS}
 
-    training = _expect("training", data.get("training"))
+    training = expect_mapping("training", data.get("training"))
     reject_unknown_keys("training", training, {"micro_batch", "seq_len", "grad_accumulation", "optimizer",
                                        "activation_checkpointing", "optimizer_impl", "momentum", "activation_offload", "ac_every", "loss",
                                        "param_storage_dtype"})
@@ -307,31 +264,31 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
         for key in ("micro_batch", "seq_len"):
             if key in training:
                 raise ScenarioError(f"training.{key}: not allowed with model.workload (the trace fixed the batch shape)")
-    micro_batch = _get("training", training, "micro_batch", int, 1, positive=True, maximum=MAX_MICRO_BATCH)
-    seq_len = _get("training", training, "seq_len", int, 2048, positive=True, maximum=MAX_SEQ)
-    grad_accumulation = _get("training", training, "grad_accumulation", int, 1, positive=True,
+    micro_batch = get_key("training", training, "micro_batch", int, 1, positive=True, maximum=MAX_MICRO_BATCH)
+    seq_len = get_key("training", training, "seq_len", int, 2048, positive=True, maximum=MAX_SEQ)
+    grad_accumulation = get_key("training", training, "grad_accumulation", int, 1, positive=True,
                              maximum=MAX_GRAD_ACCUMULATION)
-    optimizer = _get("training", training, "optimizer", str, "adamw", choices=OPTIMIZERS)
-    optimizer_impl = _get("training", training, "optimizer_impl", str, "foreach", choices=IMPLEMENTATIONS)
-    momentum = _get("training", training, "momentum", bool, True)
+    optimizer = get_key("training", training, "optimizer", str, "adamw", choices=OPTIMIZERS)
+    optimizer_impl = get_key("training", training, "optimizer_impl", str, "foreach", choices=IMPLEMENTATIONS)
+    momentum = get_key("training", training, "momentum", bool, True)
     if "momentum" in training and optimizer != "sgd":
         raise ScenarioError(f"training.momentum: only SGD takes it (Adam's moments are always kept), got optimizer {optimizer}")
     if optimizer_impl == "fused" and optimizer == "sgd":
         raise ScenarioError("training.optimizer_impl: fused SGD does not run on FSDP2's sharded DTensor parameters; "
                             "use foreach or for_loop")
-    ac = _get("training", training, "activation_checkpointing", str, "none", choices=AC_MODES)
-    ac_every = ac_frequency(ac, _get("training", training, "ac_every", int, None, positive=True, maximum=MAX_LAYERS))
+    ac = get_key("training", training, "activation_checkpointing", str, "none", choices=AC_MODES)
+    ac_every = ac_frequency(ac, get_key("training", training, "ac_every", int, None, positive=True, maximum=MAX_LAYERS))
 
-    hardware = _expect("hardware", data.get("hardware"))
+    hardware = expect_mapping("hardware", data.get("hardware"))
     reject_unknown_keys("hardware", hardware, {"profile", "nodes", "gpus_per_node", "network", "host_memory_gb"})
-    gpu = load_profile(_profile_ref(_get("hardware", hardware, "profile", str), base))
-    nodes = _get("hardware", hardware, "nodes", int, 1, positive=True, maximum=MAX_NODES)
-    gpn = _get("hardware", hardware, "gpus_per_node", int, gpu.gpus_per_node, positive=True, maximum=MAX_GPUS_PER_NODE)
+    gpu = load_profile(_profile_ref(get_key("hardware", hardware, "profile", str), base))
+    nodes = get_key("hardware", hardware, "nodes", int, 1, positive=True, maximum=MAX_NODES)
+    gpn = get_key("hardware", hardware, "gpus_per_node", int, gpu.gpus_per_node, positive=True, maximum=MAX_GPUS_PER_NODE)
     cluster = Cluster(gpu, nodes, gpn, _network(hardware, gpu.fabric.network), host_memory_key(hardware))
     tp = parse_parallelism(data.get("parallelism"), gpn)
     world = cluster.world_size // tp.size  # the data-parallel mesh's ranks (FSDP runs over world / tp)
 
-    fsdp = _expect("fsdp", data.get("fsdp"))
+    fsdp = expect_mapping("fsdp", data.get("fsdp"))
     reject_unknown_keys("fsdp", fsdp, {"version", "wrap", "blocks_per_unit", "min_params", "sharding_strategy",
                                "shard_size", "reshard_after_forward", "root_reshard_after_forward",
                                "reshard_last_block", "forward_prefetch", "backward_prefetch",
@@ -339,24 +296,24 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
                                "mixed_precision", "offload_policy", "offload_pin_memory", "zero_stage", *FSDP1_ONLY})
     version = plain_version(fsdp, cluster.world_size)
     if version is None:
-        version = _get("fsdp", fsdp, "version", int, 2, choices=(1, 2))
+        version = get_key("fsdp", fsdp, "version", int, 2, choices=(1, 2))
     # FSDP1's own words; each version refuses the other's keys (none: no FSDP, schedule/plain.py)
     fsdp, fsdp1 = fsdp1_options(fsdp, version, gpu) if version else (fsdp, {})
     check_optimizer(optimizer, version)  # Adafactor cannot step FSDP2's DTensors (schedule/optimizers.py)
-    wrap = _get("fsdp", fsdp, "wrap", str, "per_block", choices=POLICIES)
-    k = _get("fsdp", fsdp, "blocks_per_unit", int, 1, positive=True)
-    min_params = _get("fsdp", fsdp, "min_params", int, 100_000_000, positive=True)
+    wrap = get_key("fsdp", fsdp, "wrap", str, "per_block", choices=POLICIES)
+    k = get_key("fsdp", fsdp, "blocks_per_unit", int, 1, positive=True)
+    min_params = get_key("fsdp", fsdp, "min_params", int, 100_000_000, positive=True)
     # an FSDP1 strategy name is a mesh and a default reshard_after_forward; an explicit
     # reshard_after_forward replaces the default, as fully_shard takes any value on any mesh
-    strategy = _get("fsdp", fsdp, "sharding_strategy", str, "FULL_SHARD", choices=tuple(STRATEGIES))
-    zero_stage = _get("fsdp", fsdp, "zero_stage", int, None, choices=tuple(ZERO_STAGES))
+    strategy = get_key("fsdp", fsdp, "sharding_strategy", str, "FULL_SHARD", choices=tuple(STRATEGIES))
+    zero_stage = get_key("fsdp", fsdp, "zero_stage", int, None, choices=tuple(ZERO_STAGES))
     if zero_stage is not None:  # DeepSpeed's words for the same choice
         if "sharding_strategy" in fsdp:
             raise ScenarioError("fsdp.zero_stage: not allowed beside fsdp.sharding_strategy (say one of them)")
         strategy = ZERO_STAGES[zero_stage]
     mesh, strategy_reshard = STRATEGIES[strategy]
     shard_size = {"1d": world, "2d": gpn // tp.size, "replicate": 1}[mesh]
-    shard_size = _get("fsdp", fsdp, "shard_size", int, shard_size, positive=True)
+    shard_size = get_key("fsdp", fsdp, "shard_size", int, shard_size, positive=True)
     if world % shard_size:
         raise ScenarioError(f"fsdp.shard_size: {shard_size} does not divide the world size {world} "
                             f"({nodes} nodes x {gpn} GPUs)")
@@ -366,40 +323,40 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     # FSDP module m (not [], which keeps the default), k = lists of the k units before; forward: none by default
     backward_prefetch = _prefetch_depth(fsdp, "backward_prefetch", True)
     forward_prefetch = _prefetch_depth(fsdp, "forward_prefetch", False)
-    reshard_last_block = _get("fsdp", fsdp, "reshard_last_block", bool, True)
-    requires_gradient_sync = _get("fsdp", fsdp, "requires_gradient_sync", bool, True)
-    requires_all_reduce = _get("fsdp", fsdp, "requires_all_reduce", bool, True)
-    reshard_after_backward = _get("fsdp", fsdp, "reshard_after_backward", bool, True)
-    mp = _expect("fsdp.mixed_precision", fsdp.get("mixed_precision"))
+    reshard_last_block = get_key("fsdp", fsdp, "reshard_last_block", bool, True)
+    requires_gradient_sync = get_key("fsdp", fsdp, "requires_gradient_sync", bool, True)
+    requires_all_reduce = get_key("fsdp", fsdp, "requires_all_reduce", bool, True)
+    reshard_after_backward = get_key("fsdp", fsdp, "reshard_after_backward", bool, True)
+    mp = expect_mapping("fsdp.mixed_precision", fsdp.get("mixed_precision"))
     reject_unknown_keys("fsdp.mixed_precision", mp, {"param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"})
     dtypes = tuple(d for d in DTYPE_BYTES if d in ("fp32", "bf16", "fp16"))
-    storage_dtype = _get("training", training, "param_storage_dtype", str, "fp32", choices=("fp32", "bf16", "fp16"))
+    storage_dtype = get_key("training", training, "param_storage_dtype", str, "fp32", choices=("fp32", "bf16", "fp16"))
     # null: MixedPrecisionPolicy(param_dtype=None), nothing cast, compute in the storage dtype; a dtype is the
     # policy's, to which FSDPParam casts every floating parameter stored in another (a frozen base too)
     cast_params = not ("param_dtype" in mp and mp["param_dtype"] is None)
-    param_dtype = _get("fsdp.mixed_precision", mp, "param_dtype", str, "bf16", choices=dtypes) if cast_params else storage_dtype
+    param_dtype = get_key("fsdp.mixed_precision", mp, "param_dtype", str, "bf16", choices=dtypes) if cast_params else storage_dtype
     # MixedPrecisionPolicy's default: no reduce_dtype, the gradients are reduced in their own dtype
-    reduce_dtype = _get("fsdp.mixed_precision", mp, "reduce_dtype", str, None, choices=dtypes)
-    cast_forward_inputs = _get("fsdp.mixed_precision", mp, "cast_forward_inputs", bool, True)
+    reduce_dtype = get_key("fsdp.mixed_precision", mp, "reduce_dtype", str, None, choices=dtypes)
+    cast_forward_inputs = get_key("fsdp.mixed_precision", mp, "cast_forward_inputs", bool, True)
     gpu.flops(param_dtype)  # the GPU must support the compute dtype
 
-    report = _expect("report", data.get("report"))
+    report = expect_mapping("report", data.get("report"))
     reject_unknown_keys("report", report, {"safety_margin"})
-    margin = _get("report", report, "safety_margin", float, 0.10)
+    margin = get_key("report", report, "safety_margin", float, 0.10)
     if not 0 <= margin < 1:
         raise ScenarioError(f"report.safety_margin: {margin} must be in [0, 1)")
 
     workload = _workload(model, micro_batch=micro_batch, seq_len=seq_len, act_dtype=param_dtype, base=base, tp=tp)
-    loss = _get("training", training, "loss", str, "torch", choices=LOSSES)
+    loss = get_key("training", training, "loss", str, "torch", choices=LOSSES)
     workload = apply_loss(workload, loss, batch=micro_batch, seq=seq_len)  # workload/loss.py
-    workload = adapt_workload(workload, adaptation, _get) if adaptation else workload
+    workload = adapt_workload(workload, adaptation) if adaptation else workload
     _check_scale(workload, grad_accumulation)
-    compute = _expect("compute", data.get("compute"))
+    compute = expect_mapping("compute", data.get("compute"))
     reject_unknown_keys("compute", compute, {"trace", "allow_tf32", "torch_compile", "sdpa_backend", "torch_version",
                                              "float8"})
     options = _compute_options(compute)
     if "trace" in compute:
-        trace = Path(_get("compute", compute, "trace", str))
+        trace = Path(get_key("compute", compute, "trace", str))
         workload = apply_profile_trace(workload, trace if trace.is_absolute() else base / trace)
         _check_trace_times(workload, gpu.matmul_peak(param_dtype, options.allow_tf32), gpu.name)
     float8 = parse_float8(compute.get("float8"), gpu, reshard)  # torchao float8 Linears (workload/float8.py)
@@ -427,7 +384,7 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
         settings = replace(settings, version=0)
     return Scenario(name=_name(data, name), workload=workload, units=units, cluster=cluster,
                     settings=settings, wrap=wrap, sharding_strategy=strategy, safety_margin=margin, compute=options,
-                    allocator=allocator_config(_expect("allocator", data.get("allocator")), _get), zero_stage=zero_stage)
+                    allocator=allocator_config(expect_mapping("allocator", data.get("allocator"))), zero_stage=zero_stage)
 
 
 def load_scenario(path: str | Path) -> Scenario:

@@ -42,10 +42,9 @@ from __future__ import annotations
 import bisect
 import heapq
 from bisect import bisect_left, insort
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from fsdp_sim.datafile import reject_unknown_keys
+from fsdp_sim.datafile import get_key, reject_unknown_keys
 from fsdp_sim.errors import ScenarioError
 
 MIN_BLOCK = 512  # kMinBlockSize: "all sizes are rounded to at least 512 bytes"
@@ -67,12 +66,11 @@ class AllocatorConfig:
 MAX_SPLIT_MB = 1 << 30  # a stated limit (1 PiB in MiB), so the byte count stays exact
 
 
-def allocator_config(section: dict, get: Callable) -> AllocatorConfig:
-    """The scenario's `allocator` section: `PYTORCH_CUDA_ALLOC_CONF`'s options under their own names
-    (`get` is scenario.py's checked lookup)."""
+def allocator_config(section: dict) -> AllocatorConfig:
+    """The scenario's `allocator` section: `PYTORCH_CUDA_ALLOC_CONF`'s options under their own names."""
     reject_unknown_keys("allocator", section, {"expandable_segments", "max_split_size_mb"})
-    expandable = get("allocator", section, "expandable_segments", bool, False)
-    split = get("allocator", section, "max_split_size_mb", int, None, positive=True, maximum=MAX_SPLIT_MB)
+    expandable = get_key("allocator", section, "expandable_segments", bool, False)
+    split = get_key("allocator", section, "max_split_size_mb", int, None, positive=True, maximum=MAX_SPLIT_MB)
     if split is not None and split <= LARGE_BUFFER >> 20:  # CUDAAllocatorConfig: "max_split_size_mb too small, must be > 20"
         raise ScenarioError(f"allocator.max_split_size_mb: must be > {LARGE_BUFFER >> 20} (PyTorch refuses smaller), got {split}")
     return AllocatorConfig(expandable, None if split is None else split << 20)

@@ -38,23 +38,3 @@ def host_memory(result) -> dict:
                      "capacity_bytes": capacity, "fits": per_rank * ranks <= capacity,
                      "h2d_bytes_per_rank": moved[H2D], "d2h_bytes_per_rank": moved[D2H],
                      "cpu_s": cpu_s, "compute_stream_copies_s": compute_copies_s}}
-
-
-def host_lines(d: dict) -> list[str]:
-    """The summary's host lines (none without a `host` section)."""
-    from fsdp_sim.results.report import fmt_bytes, fmt_time  # report.py calls this function
-
-    h = d.get("host")
-    if h is None:
-        return []
-    verdict = "FITS" if h["fits"] else "DOES NOT FIT"
-    parts = ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for k, v in h["by_category_per_rank"].items())
-    return [
-        "",
-        f"Host memory (pinned) {fmt_bytes(h['per_node_bytes'])} per node = {h['ranks_per_node']} GPUs x "
-        f"{fmt_bytes(h['per_rank_bytes'])} per rank ({parts})",
-        f"  node has           {fmt_bytes(h['capacity_bytes'])}  -> {verdict}; over {h['link']} per rank: "
-        f"H2D {fmt_bytes(h['h2d_bytes_per_rank'])}, D2H {fmt_bytes(h['d2h_bytes_per_rank'])}",
-        f"  on the CPU         {fmt_time(h['cpu_s'])} (optimizer step, gradient adds); save_on_cpu copies on the "
-        f"compute stream {fmt_time(h['compute_stream_copies_s'])} (in memory-bound above)",
-    ]

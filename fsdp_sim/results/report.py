@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from fsdp_sim.results.host import host_lines
-
 GiB, MiB = 1 << 30, 1 << 20
 # the figures of a sweep row (sweep.py's `_row`), in the CSV's column order; what a row holds beside them
 # is the point's settings
@@ -112,6 +110,24 @@ def summary(d: dict) -> str:
 # gradients, optimizer states, activations; the rest is overhead, with the cache, CUDA context and NCCL)
 KINDS = {"parameters": ("sharded_params", "unsharded_params"), "gradients": ("sharded_grads", "unsharded_grads"),
          "optimizer states": ("optimizer_states",), "activations": ("activations", "inputs")}
+
+
+def host_lines(d: dict) -> list[str]:
+    """The summary's host lines (none without a `host` section)."""
+    h = d.get("host")
+    if h is None:
+        return []
+    verdict = "FITS" if h["fits"] else "DOES NOT FIT"
+    parts = ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for k, v in h["by_category_per_rank"].items())
+    return [
+        "",
+        f"Host memory (pinned) {fmt_bytes(h['per_node_bytes'])} per node = {h['ranks_per_node']} GPUs x "
+        f"{fmt_bytes(h['per_rank_bytes'])} per rank ({parts})",
+        f"  node has           {fmt_bytes(h['capacity_bytes'])}  -> {verdict}; over {h['link']} per rank: "
+        f"H2D {fmt_bytes(h['h2d_bytes_per_rank'])}, D2H {fmt_bytes(h['d2h_bytes_per_rank'])}",
+        f"  on the CPU         {fmt_time(h['cpu_s'])} (optimizer step, gradient adds); save_on_cpu copies on the "
+        f"compute stream {fmt_time(h['compute_stream_copies_s'])} (in memory-bound above)",
+    ]
 
 
 def contributors(d: dict) -> dict[str, int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from fsdp_sim.datafile import get_key
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.schedule.settings import FSDPSettings
 
@@ -29,8 +30,6 @@ HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 def fsdp1_options(fsdp: dict, version: int, gpu) -> tuple[dict, dict]:
     """(the `fsdp` mapping for the shared parsing, FSDPSettings fields to replace); the keys of the other
     version are refused with one line naming the key."""
-    from fsdp_sim.scenario import _get
-
     if version == 2:
         for key in FSDP1_ONLY:
             if key in fsdp:
@@ -71,8 +70,8 @@ def fsdp1_options(fsdp: dict, version: int, gpu) -> tuple[dict, dict]:
         if "min_params" in fsdp:
             raise ScenarioError("fsdp.min_num_params: give min_num_params or min_params, not both")
         shared["min_params"] = fsdp["min_num_params"]
-    no_sync = _get("fsdp", fsdp, "no_sync", bool, False)
-    cpu_offload = _get("fsdp", fsdp, "cpu_offload", bool, False)  # CPUOffload(offload_params=True)
+    no_sync = get_key("fsdp", fsdp, "no_sync", bool, False)
+    cpu_offload = get_key("fsdp", fsdp, "cpu_offload", bool, False)  # CPUOffload(offload_params=True)
     if cpu_offload and gpu.host is None:
         raise ScenarioError(f"fsdp.cpu_offload: {gpu.name} has no host: section (host link and memory) in its profile")
     if cpu_offload and strategy == "NO_SHARD":
@@ -81,10 +80,10 @@ def fsdp1_options(fsdp: dict, version: int, gpu) -> tuple[dict, dict]:
         "version": 1,
         "sharding_strategy": strategy,
         "fsdp1_backward_prefetch": BACKWARD_PREFETCH[prefetch],
-        "forward_prefetch": int(_get("fsdp", fsdp, "forward_prefetch", bool, False)),
+        "forward_prefetch": int(get_key("fsdp", fsdp, "forward_prefetch", bool, False)),
         "backward_prefetch": 1,
-        "limit_all_gathers": _get("fsdp", fsdp, "limit_all_gathers", bool, True),
-        "use_orig_params": _get("fsdp", fsdp, "use_orig_params", bool, False),
+        "limit_all_gathers": get_key("fsdp", fsdp, "limit_all_gathers", bool, True),
+        "use_orig_params": get_key("fsdp", fsdp, "use_orig_params", bool, False),
         # micro-batches but the last inside `no_sync()`: FSDP1 keeps the unsharded flat gradients
         "requires_gradient_sync": not no_sync,
         "offload_params": cpu_offload,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fsdp_sim.datafile import get_key
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.hardware.host_link import CPU, D2H, H2D
 from fsdp_sim.schedule.optimizers import step_cost
@@ -45,16 +46,14 @@ def offload_keys(fsdp: dict, training: dict, gpu, shard_size: int, version: int 
     """`fsdp.offload_policy` (+ `fsdp.offload_pin_memory`) and `training.activation_offload` as FSDPSettings
     fields, checked against the profile (offload needs its `host:` link). The first two are fully_shard's
     words: FSDP1 (`version: 1`) spells CPU offload its own way."""
-    from fsdp_sim.scenario import _get  # the scenario's checker; it imports this module
-
     if version != 2:
         for key in ("offload_policy", "offload_pin_memory"):
             if key in fsdp:
                 raise ScenarioError(f"fsdp.{key}: fully_shard's argument (fsdp.version: 2); FullyShardedDataParallel "
                                     "takes cpu_offload=CPUOffload(offload_params=True) instead")
 
-    policy = _get("fsdp", fsdp, "offload_policy", str, "OffloadPolicy", choices=OFFLOAD_POLICIES)
-    pin_memory = _get("fsdp", fsdp, "offload_pin_memory", bool, True)
+    policy = get_key("fsdp", fsdp, "offload_policy", str, "OffloadPolicy", choices=OFFLOAD_POLICIES)
+    pin_memory = get_key("fsdp", fsdp, "offload_pin_memory", bool, True)
     offload_params = policy == "CPUOffloadPolicy"
     if "offload_pin_memory" in fsdp and not offload_params:
         raise ScenarioError("fsdp.offload_pin_memory: only CPUOffloadPolicy takes it; set fsdp.offload_policy: CPUOffloadPolicy")
@@ -64,7 +63,7 @@ def offload_keys(fsdp: dict, training: dict, gpu, shard_size: int, version: int 
     if offload_params and shard_size == 1:
         raise ScenarioError("fsdp.offload_policy: CPUOffloadPolicy with a shard group of one (no all-gather) is not "
                             "modelled yet")
-    activation_offload = _get("training", training, "activation_offload", bool, False)
+    activation_offload = get_key("training", training, "activation_offload", bool, False)
     if (offload_params or activation_offload) and gpu.host is None:
         raise ScenarioError(f"hardware.profile: {gpu.name} has no host: section (host link and memory), which "
                             "fsdp.offload_policy and training.activation_offload need")
@@ -74,9 +73,7 @@ def offload_keys(fsdp: dict, training: dict, gpu, shard_size: int, version: int 
 def host_memory_key(hardware: dict) -> int | None:
     """`hardware.host_memory_gb`: the host memory of one node in GiB (2**30 bytes, as DIMMs are sized), or
     None for the profile's."""
-    from fsdp_sim.scenario import _get
-
-    gb = _get("hardware", hardware, "host_memory_gb", float, None, positive=True, maximum=MAX_HOST_MEMORY_GB)
+    gb = get_key("hardware", hardware, "host_memory_gb", float, None, positive=True, maximum=MAX_HOST_MEMORY_GB)
     return None if gb is None else int(gb * (1 << 30))
 
 
@@ -84,7 +81,6 @@ def host_memory_key(hardware: dict) -> int | None:
 class HostMemory:
     """Pinned host memory of one rank: the state kept there by category, the offloaded activations (level
     now and peak) and the CPU optimizer step's temporaries. Exact byte counts."""
-
     persistent: dict[str, int] = field(default_factory=dict)
     activations: int = 0
     activations_peak: int = 0
@@ -110,7 +106,6 @@ class HostMemory:
 class CPUOffload:
     """A mixin of the autograd step a runtime builds on: FSDP's state on the host and the copies that move
     it (uses `g`, `s`, `host`, `host_grads`, `sharded_grads`)."""
-
     def hold_state(self, name: str, category: str, nbytes: int) -> None:
         """Sharded parameters and optimizer states: pinned host memory when offloaded, else the GPU's."""
         if self.s.offload_params:
@@ -169,7 +164,6 @@ class CPUOffload:
 class ActivationOffload:
     """A mixin of the autograd step: `save_on_cpu(pin_memory=True)` around the model's forward (uses `g`,
     `s`, `host`, `saved`, `outputs`, `offloaded`)."""
-
     def offload_saved(self, m: Module, prev: Module | None) -> None:
         """After m's forward: its saved tensors, and the input it saved (an earlier module's output that only
         autograd still holds once m's forward is done), are copied to pinned host memory on the compute

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fsdp_sim.datafile import reject_unknown_keys
+from fsdp_sim.datafile import expect_mapping, get_key, reject_unknown_keys
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.workload.model import Kernel, Workload
 
@@ -42,7 +42,6 @@ CAST_LAUNCHES = 2  # amax (abs + max reduction, fused) and the scale-and-cast ke
 @dataclass(frozen=True, slots=True)
 class Float8:
     """`compute.float8`: enabled, `enable_fsdp_float8_all_gather`, `precompute_float8_dynamic_scale_for_fsdp`."""
-
     enabled: bool = False
     fsdp_float8_all_gather: bool = False
     precompute_scale: bool = False
@@ -51,13 +50,11 @@ class Float8:
 def parse_float8(raw, gpu, reshard_after_forward: bool | int = True) -> Float8:
     """`compute.float8`: refused on a GPU without fp8 tensor cores (torch._scaled_mm needs sm89 or later), and
     the float8 all-gather beside an hpZ `reshard_after_forward` (its post-forward copies are not modelled in fp8)."""
-    from fsdp_sim.scenario import _expect, _get  # the scenario's checked getters (here: scenario.py imports us)
-
-    raw = _expect("compute.float8", raw)
+    raw = expect_mapping("compute.float8", raw)
     reject_unknown_keys("compute.float8", raw, {"enabled", "fsdp_float8_all_gather", "precompute_scale"})
-    f8 = Float8(enabled=_get("compute.float8", raw, "enabled", bool, bool(raw)),
-                fsdp_float8_all_gather=_get("compute.float8", raw, "fsdp_float8_all_gather", bool, False),
-                precompute_scale=_get("compute.float8", raw, "precompute_scale", bool, False))
+    f8 = Float8(enabled=get_key("compute.float8", raw, "enabled", bool, bool(raw)),
+                fsdp_float8_all_gather=get_key("compute.float8", raw, "fsdp_float8_all_gather", bool, False),
+                precompute_scale=get_key("compute.float8", raw, "precompute_scale", bool, False))
     if not f8.enabled:
         return Float8()
     if "fp8" not in gpu.peak_flops:

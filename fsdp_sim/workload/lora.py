@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from fsdp_sim.datafile import get_key, reject_unknown_keys
 from fsdp_sim.dtypes import itemsize
 from fsdp_sim.errors import ScenarioError, show
 from fsdp_sim.workload.frozen import (LORA_A, LORA_B, LORA_DROPOUT, QUANT_STATE_SUFFIX, built_from, freeze_where,
@@ -171,25 +172,23 @@ ADAPTATION_KEYS = ("frozen", "frozen_dtype", "lora")
 _LORA_KEYS = {"rank", "alpha", "targets", "dropout", "quantize", "double_quant"}
 
 
-def adapt_workload(wl: Workload, keys: dict, get) -> Workload:
-    """`model.frozen`, `model.frozen_dtype` and `model.lora` applied to a built workload; `get` is the
-    scenario's checked getter (`scenario._get`)."""
-    from fsdp_sim.datafile import reject_unknown_keys
+def adapt_workload(wl: Workload, keys: dict) -> Workload:
+    """`model.frozen`, `model.frozen_dtype` and `model.lora` applied to a built workload."""
     from fsdp_sim.workload.frozen import FROZEN_DTYPES, freeze
 
-    dtype = get("model", keys, "frozen_dtype", str, "bf16", choices=FROZEN_DTYPES)
+    dtype = get_key("model", keys, "frozen_dtype", str, "bf16", choices=FROZEN_DTYPES)
     if "lora" in keys:
         raw = keys["lora"]
         if not isinstance(raw, dict):
             raise ScenarioError(f"model.lora: expected a mapping (rank, alpha, targets, dropout, quantize), "
                                 f"got {show(raw)}")
         reject_unknown_keys("model.lora", raw, _LORA_KEYS)
-        cfg = LoraConfig(rank=get("model.lora", raw, "rank", int, 8, positive=True, maximum=1 << 16),  # peft defaults
-                         alpha=get("model.lora", raw, "alpha", float, 8.0),
+        cfg = LoraConfig(rank=get_key("model.lora", raw, "rank", int, 8, positive=True, maximum=1 << 16),  # peft defaults
+                         alpha=get_key("model.lora", raw, "alpha", float, 8.0),
                          targets=_names("model.lora.targets", raw.get("targets", ["q_proj", "v_proj"])),
-                         dropout=get("model.lora", raw, "dropout", float, 0.0),
-                         quantize=get("model.lora", raw, "quantize", str, None, choices=("nf4",)),
-                         double_quant=get("model.lora", raw, "double_quant", bool, True), base_dtype=dtype)
+                         dropout=get_key("model.lora", raw, "dropout", float, 0.0),
+                         quantize=get_key("model.lora", raw, "quantize", str, None, choices=("nf4",)),
+                         double_quant=get_key("model.lora", raw, "double_quant", bool, True), base_dtype=dtype)
         if not 0 <= cfg.dropout < 1:
             raise ScenarioError(f"model.lora.dropout: expected a probability in [0, 1), got {cfg.dropout}")
         if "double_quant" in raw and cfg.quantize is None:

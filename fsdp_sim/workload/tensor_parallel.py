@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fsdp_sim.datafile import reject_unknown_keys
+from fsdp_sim.datafile import expect_mapping, get_key, reject_unknown_keys
 from fsdp_sim.dtypes import itemsize
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.workload.kernels import embedding_kernels
@@ -39,22 +39,19 @@ SEQUENCE_SHARDED_NAMES = ("attention residual add", "mlp residual add", "attenti
 @dataclass(frozen=True, slots=True)
 class TensorParallel:
     """`parallelism.tp` ranks per TP group (1: none) and whether the plan is sequence parallel."""
-
     size: int = 1
     sequence_parallel: bool = True
 
 
 def parse_parallelism(raw, gpus_per_node: int) -> TensorParallel:
     """`parallelism: {tp: k, sequence_parallel: bool}`: k divides the node (TP runs over NVLink only)."""
-    from fsdp_sim.scenario import _expect, _get  # the scenario's checked getters (here: scenario.py imports us)
-
-    raw = _expect("parallelism", raw)
+    raw = expect_mapping("parallelism", raw)
     reject_unknown_keys("parallelism", raw, {"tp", "sequence_parallel"})
-    tp = _get("parallelism", raw, "tp", int, 1, positive=True, maximum=gpus_per_node)
+    tp = get_key("parallelism", raw, "tp", int, 1, positive=True, maximum=gpus_per_node)
     if gpus_per_node % tp:
         raise ScenarioError(f"parallelism.tp: {tp} must divide hardware.gpus_per_node {gpus_per_node} "
                             "(tensor parallel stays inside a node)")
-    sp = _get("parallelism", raw, "sequence_parallel", bool, True)
+    sp = get_key("parallelism", raw, "sequence_parallel", bool, True)
     return TensorParallel(tp, sp)
 
 
