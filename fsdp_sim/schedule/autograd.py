@@ -1,20 +1,21 @@
 """What autograd and the optimizer issue on the compute stream, whatever FSDP runtime wraps them.
 
 A runtime subclasses `AutogradStep` (FSDP2 and FSDP1 through `walk.py`'s `FSDPWalk`, plain training
-directly) and calls `forward_compute` / `backward_compute` for each module between its own hooks, and `optimizer_step` at the end; this part
-allocates and frees the activations, the gradients autograd produces and the optimizer's temporaries,
-and emits each module's compute op with its kernels.
+directly) and calls `forward_compute` / `backward_compute` for each module between its own hooks, and
+`optimizer_step` at the end; this part allocates and frees the activations, the gradients autograd
+produces and the optimizer's temporaries, and emits each module's compute op with its kernels. The
+techniques the step uses are parts it is given (`techniques.py`), whose hooks it calls.
 """
 
 from __future__ import annotations
 
 from fsdp_sim.dtypes import itemsize
-from fsdp_sim.schedule.offload import ActivationOffload, CPUOffload, HostMemory
+from fsdp_sim.schedule.offload import HostMemory
 from fsdp_sim.schedule.ops import Buffer, Op, OpGraph
 from fsdp_sim.schedule.optimizers import StepCost, step_cost
 from fsdp_sim.schedule.param_dtypes import unit_shards
 from fsdp_sim.schedule.settings import FSDPSettings
-from fsdp_sim.schedule.tp import TensorParallelCompute
+from fsdp_sim.schedule.techniques import techniques_of
 from fsdp_sim.workload.checkpointing import Checkpoint, checkpoint_plans
 from fsdp_sim.workload.model import Module, Workload
 from fsdp_sim.wrap import Unit
@@ -22,9 +23,9 @@ from fsdp_sim.wrap import Unit
 COMPUTE = "compute"  # the current CUDA stream
 
 
-class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
-    """The state autograd keeps across modules: outputs, saved tensors, gradients. A module's compute op is
-    `module_compute`'s (`tp.py`: split around the tensor-parallel collectives when there are any)."""
+class AutogradStep:
+    """The state autograd keeps across modules: outputs, saved tensors, gradients; and the techniques the
+    step is given (`self.techniques`)."""
 
     def __init__(self, workload: Workload, units: list[Unit], settings: FSDPSettings) -> None:
         self.wl, self.units, self.s = workload, units, settings
@@ -43,8 +44,7 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
         # pinned host memory (offload.py): CPU-offloaded state and gradients, save_on_cpu's activations
         self.host = HostMemory()
         self.g.host = self.host if settings.offload_params or settings.activation_offload else None
-        self.host_grads: set[str] = set()  # units whose sharded gradient is on the host
-        self.offloaded: dict[str, list] = {}  # by module: what save_on_cpu moved to the host
+        self.techniques = techniques_of(self)  # the parts this step uses (techniques.py)
 
     # ---- autograd: what each module's forward and backward allocate -----------------------------
     def forward_compute(self, m: Module, prev: Module | None, *, recompute: bool = False) -> None:
@@ -70,12 +70,13 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
             g.free(COMPUTE, transient)
         if not recompute and prev is not None and not (m.saves_input or ck is not None):
             g.free(COMPUTE, self.outputs.pop(prev.name))
-        if not recompute:
-            self.offload_saved(m, prev)  # save_on_cpu (offload.py)
+        if not recompute and self.techniques.activation_offload:
+            self.techniques.activation_offload.offload_saved(m, prev)  # save_on_cpu (offload.py)
 
     def backward_compute(self, m: Module, prev: Module | None, nxt: Module | None) -> None:
         g, s = self.g, self.s
-        self.reload_saved(m, prev)  # save_on_cpu's unpack (offload.py)
+        if self.techniques.activation_offload:
+            self.techniques.activation_offload.reload_saved(m, prev)  # save_on_cpu's unpack (offload.py)
         if m.name in self.checkpoints:
             self.forward_compute(m, prev, recompute=True)
         # the transient moment first (it holds whatever gradients exist then); autograd releases
@@ -109,11 +110,25 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
 
     def _module_pass(self, m: Module, ck: Checkpoint | None, kernel_pass: str) -> None:
         """The compute op of one pass of `m` (forward | recompute | backward), with what `module_work` reads
-        from the module; recorded in the graph (`OpGraph.compute_site`) so a build can be re-priced."""
+        from the module; recorded in the graph (`OpGraph.compute_site`) so a build can be re-priced. Under
+        tensor parallel, ops split around its collectives (tp.py; a measured module is not split: its
+        collectives are unknown), recorded as None: never re-priced."""
         kernels, flops, hbm_bytes, measured_s = module_work(m, ck, kernel_pass, self.s.param_bytes, self.activation_bytes)
-        op = self.module_compute(COMPUTE, f"{m.name} {kernel_pass}", kernels, kernel_pass, flops=flops,
-                                 hbm_bytes=hbm_bytes, measured_s=measured_s)
+        name, tp = f"{m.name} {kernel_pass}", self.techniques.tensor_parallel
+        if tp is not None and kernels and measured_s is None:
+            op = tp.module_compute(COMPUTE, name, kernels, kernel_pass, flops=flops, hbm_bytes=hbm_bytes)
+        else:
+            op = self.g.add("compute", COMPUTE, name, flops=flops, hbm_bytes=hbm_bytes, measured_s=measured_s,
+                            kernels=kernels, kernel_pass=kernel_pass)
         self.g.compute_site(op, m.name, kernel_pass)
+
+    def hold_state(self, name: str, category: str, nbytes: int) -> None:
+        """Sharded parameters and optimizer states that exist before the step: in pinned host memory under
+        CPU offload, else on the GPU."""
+        if self.techniques.cpu_offload:
+            self.host.hold(category, nbytes)
+        else:
+            self.g.persistent_alloc(name, category, nbytes)
 
     # ---- optimizer ------------------------------------------------------------------------------
     def optimizer_shards(self) -> list[int]:
@@ -131,8 +146,8 @@ class AutogradStep(TensorParallelCompute, ActivationOffload, CPUOffload):
         zero_grad(set_to_none=True)."""
         g, s = self.g, self.s
         g.phase, g.unit = "optimizer", ""
-        if s.offload_params:  # CPUOffloadPolicy: torch.optim steps the host shards on the CPU (offload.py)
-            return self.cpu_optimizer_step(last_reduce, self.optimizer_shards())
+        if self.techniques.cpu_offload:  # CPUOffloadPolicy: torch.optim steps the host shards on the CPU
+            return self.techniques.cpu_offload.cpu_optimizer_step(last_reduce, self.optimizer_shards())
         cost = step_cost(s.optimizer, s.optimizer_impl, s.momentum, self.optimizer_shards(), s.storage_bytes)
         temps = [g.alloc(COMPUTE, f"{s.optimizer}.step temporaries", "optimizer_states", nbytes, deps=(last_reduce,))
                  for nbytes in self.optimizer_temporaries(cost)]

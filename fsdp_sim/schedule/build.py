@@ -20,6 +20,14 @@ Settings under which other ops read those bytes (save_on_cpu's copies, FSDP2's o
 they change) keep the bytes in the key: their graphs are only re-priced. Not reused at all: plain training
 (its autocast rewrites the workload it reads, `plain.fp32_residual_stream`) and tensor parallelism (its
 split of a pass around TP collectives reads the kernels, `tp.py`).
+
+What the twins share, and why that is safe. A re-sized or re-priced graph is `OpGraph.with_ops` of the last
+one: new op and buffer objects where bytes or work changed, everything else shared by reference (the memory
+columns and sites, read-only once a graph is built). Each op keeps its id, kind, stream, group, phase, deps
+and buffer id, so what only that structure decides is the same for both: the engine's stream queues, the
+ledger's event columns, the compute stream's order. `OpGraph.derived` computes those once per build and
+hands them to every twin, dated by the op count so that a graph that grew derives them anew. Nothing that
+reads bytes or durations is shared: each twin is priced, played and replayed on its own.
 """
 
 from __future__ import annotations

@@ -47,14 +47,18 @@ def float8_unit_bytes(u: Unit, s: FSDPSettings, ub: UnitBytes) -> UnitBytes:
 
 
 class Float8AllGather:
-    """Mixin of the FSDP2 runtime: the amaxes the float8 all-gather's casts need. Needs `self.g`, `self.s`,
-    `self.units`; the copy-in stream and the shard group's name are passed in (fsdp2.py owns them)."""
+    """torchao's float8 all-gather as a part of the FSDP2 step (techniques.py): the amaxes its casts need.
+    Reads the step's graph, settings and units; the copy-in stream and the shard group's name are passed in
+    (fsdp2.py owns them)."""
+
+    def __init__(self, step) -> None:
+        self.step = step
 
     def float8_pre_all_gather(self, u: Unit, stream: str, group: str, waits: tuple) -> tuple:
         """Per-weight amax and its all-reduce before the copy-in, unless the scales were precomputed.
         Returns the events the copy-in waits on."""
-        s, g = self.s, self.g
-        params = _float8_params(u, s) if s.float8_all_gather and not s.float8_precompute_scale else []
+        s, g = self.step.s, self.step.g
+        params = _float8_params(u, s) if not s.float8_precompute_scale else []
         if not params:
             return waits
         shard_bytes = sum(p.padded_shard_numel(s.shard_size) for p in params) * s.storage_bytes
@@ -67,10 +71,10 @@ class Float8AllGather:
     def float8_precompute_scales(self, stream: str, group: str) -> None:
         """`precompute_float8_dynamic_scale_for_fsdp(model)` after the optimizer step: read every float8
         weight's shard once, all-reduce the stacked amaxes once."""
-        s, g = self.s, self.g
-        if not (s.float8_all_gather and s.float8_precompute_scale):
+        s, g = self.step.s, self.step.g
+        if not s.float8_precompute_scale:
             return
-        params = [p for u in self.units for p in _float8_params(u, s)]
+        params = [p for u in self.step.units for p in _float8_params(u, s)]
         if not params:
             return
         shard_bytes = sum(p.padded_shard_numel(s.shard_size) for p in params) * s.storage_bytes

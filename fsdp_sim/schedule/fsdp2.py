@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from fsdp_sim.dtypes import itemsize
 from fsdp_sim.schedule.autograd import COMPUTE
-from fsdp_sim.schedule.float8 import Float8AllGather, float8_unit_bytes
+from fsdp_sim.schedule.float8 import float8_unit_bytes
 from fsdp_sim.schedule.fsdp2_reduce import SHARD_GROUP, GradientReduction
 from fsdp_sim.schedule.ops import Buffer, Op, OpGraph
 from fsdp_sim.schedule.optimizers import StepCost, state_bytes
@@ -26,7 +26,7 @@ from fsdp_sim.wrap import Unit
 COPY_IN, AG = "all_gather_copy_in", "all_gather"
 
 
-class FSDP2Runtime(FSDPWalk, GradientReduction, Float8AllGather):
+class FSDP2Runtime(FSDPWalk, GradientReduction):
     """The FSDP2 hooks the walk (`walk.py`) calls, and what they issue beneath: unshard, reshard, reduce."""
 
     def __init__(self, workload: Workload, units: list[Unit], settings: FSDPSettings) -> None:
@@ -91,7 +91,8 @@ class FSDP2Runtime(FSDPWalk, GradientReduction, Float8AllGather):
     def optimizer_step(self, last_reduce: Op | None) -> None:
         """The optimizer step, then torchtitan's `precompute_float8_dynamic_scale_for_fsdp` right after it."""
         super().optimizer_step(last_reduce)
-        self.float8_precompute_scales(COMPUTE, SHARD_GROUP)
+        if self.techniques.float8_all_gather:
+            self.techniques.float8_all_gather.float8_precompute_scales(COMPUTE, SHARD_GROUP)
 
     def _persistent_state(self) -> None:
         """Sharded parameters (dim-0 padded, each in its stored dtype) and optimizer states exist before the
@@ -336,11 +337,11 @@ class FSDP2Runtime(FSDPWalk, GradientReduction, Float8AllGather):
         # with a param_dtype the inputs it casts are first copied into one flat low-precision temporary
         cast = ub.cast * s.shard_size // world
         waits = (self.all_gather_streams_wait, reshard_event)
-        if not post_forward:  # torchao's fsdp_pre_all_gather: the float8 weights' amaxes (float8.py)
-            waits = self.float8_pre_all_gather(u, COPY_IN, SHARD_GROUP, waits)
-        from_host = s.offload_params and not post_forward  # CPUOffloadPolicy: per-parameter H2D and cast first
-        if from_host:
-            temps, source_bytes = self.all_gather_inputs_from_host(u, waits), in_bytes
+        float8, offload = self.techniques.float8_all_gather, self.techniques.cpu_offload
+        if float8 and not post_forward:  # torchao's fsdp_pre_all_gather: the float8 weights' amaxes (float8.py)
+            waits = float8.float8_pre_all_gather(u, COPY_IN, SHARD_GROUP, waits)
+        if offload and not post_forward:  # CPUOffloadPolicy: per-parameter H2D and cast first (offload.py)
+            temps, source_bytes = offload.all_gather_inputs_from_host(u, waits), in_bytes
         else:
             temps = [g.alloc(COPY_IN, f"{u.name} all-gather copy-in cast", "temporaries", cast)] if cast else []
         out = g.alloc(COPY_IN, f"{u.name} all-gather output", "all_gather_buffers", ub.gathered * s.shard_size)

@@ -115,8 +115,8 @@ class GradientReduction:
                 g.free(RS, rs_out)
         if partial is not None:  # PG:post_backward: self._partial_reduce_output = None
             g.free(RS, partial)
-        if s.offload_params:  # CPUOffloadPolicy: the sharded gradient goes to the host (offload.py)
-            event = self.offload_sharded_grads(u, post_reduce_stream, event)
+        if self.techniques.cpu_offload:  # CPUOffloadPolicy: the sharded gradient goes to the host (offload.py)
+            event = self.techniques.cpu_offload.offload_sharded_grads(u, post_reduce_stream, event)
         self.last_post_reduce_events[post_reduce_stream] = event
         if held is not None:
             g.free(COMPUTE, held)

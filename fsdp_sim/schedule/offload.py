@@ -104,20 +104,19 @@ class HostMemory:
 
 
 class CPUOffload:
-    """A mixin of the autograd step a runtime builds on: FSDP's state on the host and the copies that move
-    it (uses `g`, `s`, `host`, `host_grads`, `sharded_grads`)."""
-    def hold_state(self, name: str, category: str, nbytes: int) -> None:
-        """Sharded parameters and optimizer states: pinned host memory when offloaded, else the GPU's."""
-        if self.s.offload_params:
-            self.host.hold(category, nbytes)
-        else:
-            self.g.persistent_alloc(name, category, nbytes)
+    """FSDP2's `CPUOffloadPolicy` as a part of the step (techniques.py): the all-gather inputs copied from the
+    host, the sharded gradients copied to it, the optimizer step on the CPU. Reads the step's graph,
+    settings, host memory and sharded gradients; keeps which units' gradients are on the host."""
+
+    def __init__(self, step) -> None:
+        self.step = step
+        self.host_grads: set[str] = set()  # units whose sharded gradient is on the host
 
     def all_gather_inputs_from_host(self, u: Unit, waits: tuple) -> list[Buffer]:
         """FSDPParam.all_gather_inputs for offloaded shards, on the copy-in stream: per parameter an H2D copy
         of its padded shard, then the cast to param_dtype (which drops the copy). Returns the inputs, which
         the caller frees after the copy-in (`del param_all_gather_inputs`)."""
-        g, s = self.g, self.s
+        g, s = self.step.g, self.step.s
         inputs = []
         for p in u.params:
             n = p.padded_shard_numel(s.shard_size)
@@ -136,8 +135,9 @@ class CPUOffload:
         """The new sharded gradient `.to("cpu")` on the post-reduce stream after `event`; the GPU copy is
         dropped at once. The first gradient of a step becomes the host's `.grad`; a later one (gradient
         accumulation with sync) is added into it on the CPU. Returns the copy, the stream's last op."""
-        g = self.g
-        grad = self.sharded_grads.pop(u.name)
+        step = self.step
+        g = step.g
+        grad = step.sharded_grads.pop(u.name)
         d2h = g.add("copy", stream, f"{u.name} sharded grads D2H", deps=(event,), comm_bytes=grad.nbytes, group=D2H)
         g.free(stream, grad)
         if u.name in self.host_grads:  # grad += new_grad on CPU tensors: read both, write one
@@ -145,51 +145,61 @@ class CPUOffload:
                   comm_bytes=3 * grad.nbytes, group=CPU, launches=0)
         else:
             self.host_grads.add(u.name)
-            self.host.hold("sharded_grads", grad.nbytes)
+            step.host.hold("sharded_grads", grad.nbytes)
         return d2h
 
     def cpu_optimizer_step(self, last_reduce: Op | None, shards: list[int]) -> None:
         """After the grad_offload_event synchronizes (the CPU waits the last D2H copy, which the compute
         stream's last wait covers), torch.optim steps the host shards on the CPU: the single-tensor loop
         unless fused was asked for (CPU fused Adam(W) exists)."""
-        s = self.s
+        step = self.step
+        s = step.s
         impl = "fused" if s.optimizer_impl == "fused" else "for_loop"
         cost = step_cost(s.optimizer, impl, s.momentum, shards, s.storage_bytes)
-        self.host.optimizer_temp = cost.temp_bytes
-        self.g.add("compute", CPU_STREAM, f"{s.optimizer}.step on the CPU ({impl})", deps=(last_reduce,),
+        step.host.optimizer_temp = cost.temp_bytes
+        step.g.add("compute", CPU_STREAM, f"{s.optimizer}.step on the CPU ({impl})", deps=(last_reduce,),
                    comm_bytes=cost.traffic_bytes, group=CPU, launches=0)
         self.host_grads.clear()  # zero_grad(set_to_none=True)
 
 
 class ActivationOffload:
-    """A mixin of the autograd step: `save_on_cpu(pin_memory=True)` around the model's forward (uses `g`,
-    `s`, `host`, `saved`, `outputs`, `offloaded`)."""
+    """`save_on_cpu(pin_memory=True)` around the model's forward as a part of the step (techniques.py): moves
+    the step's saved tensors and saved inputs to its host memory and back; keeps what it moved, by module."""
+
+    def __init__(self, step) -> None:
+        self.step = step
+        self.offloaded: dict[str, list] = {}  # by module: what went to the host
+
     def offload_saved(self, m: Module, prev: Module | None) -> None:
         """After m's forward: its saved tensors, and the input it saved (an earlier module's output that only
         autograd still holds once m's forward is done), are copied to pinned host memory on the compute
         stream and dropped."""
-        if not (self.s.activation_offload and m.in_model):
+        if not m.in_model:
             return
+        step = self.step
+        g = step.g
         moved = []
-        if m.name in self.saved:
-            moved.append(("saved", self.saved.pop(m.name)))
-        if prev is not None and prev.in_model and prev.name in self.outputs:
-            moved.append(("input", self.outputs.pop(prev.name)))
+        if m.name in step.saved:
+            moved.append(("saved", step.saved.pop(m.name)))
+        if prev is not None and prev.in_model and prev.name in step.outputs:
+            moved.append(("input", step.outputs.pop(prev.name)))
         for _, buf in moved:
-            self.g.add("copy", COMPUTE, f"{buf.name} D2H (save_on_cpu)", comm_bytes=buf.nbytes, group=D2H)
-            self.g.free(COMPUTE, buf)
-            self.host.offload(buf.nbytes)
+            g.add("copy", COMPUTE, f"{buf.name} D2H (save_on_cpu)", comm_bytes=buf.nbytes, group=D2H)
+            g.free(COMPUTE, buf)
+            step.host.offload(buf.nbytes)
         if moved:
             self.offloaded[m.name] = moved
 
     def reload_saved(self, m: Module, prev: Module | None) -> None:
         """Before m's backward (and its recompute): what `offload_saved` moved comes back, H2D on the compute
         stream, where autograd reads it from."""
+        step = self.step
+        g = step.g
         for what, old in self.offloaded.pop(m.name, ()):
-            buf = self.g.alloc(COMPUTE, old.name, old.category, old.nbytes)
-            self.g.add("copy", COMPUTE, f"{old.name} H2D (save_on_cpu unpack)", comm_bytes=old.nbytes, group=H2D)
-            self.host.reload(old.nbytes)
+            buf = g.alloc(COMPUTE, old.name, old.category, old.nbytes)
+            g.add("copy", COMPUTE, f"{old.name} H2D (save_on_cpu unpack)", comm_bytes=old.nbytes, group=H2D)
+            step.host.reload(old.nbytes)
             if what == "input":
-                self.outputs[prev.name] = buf
+                step.outputs[prev.name] = buf
             else:
-                self.saved[m.name] = buf
+                step.saved[m.name] = buf

@@ -63,19 +63,23 @@ def conjugates(sequence_parallel: bool) -> dict[str, tuple[str | None, str | Non
 
 
 class TensorParallelCompute:
-    """Mixin of a runtime (`AutogradStep`): `module_compute` emits a module's compute op, split around the TP
-    collectives when `settings.tp > 1`. Needs `self.g`, `self.s` (FSDPSettings) and `self.wl`."""
+    """Tensor parallel as a part of the step (techniques.py): `module_compute` emits a module's compute op
+    split around the TP collectives. Reads the step's graph, settings and workload; keeps one tuple object
+    per distinct kernel segment."""
+
+    def __init__(self, step) -> None:
+        self.step = step
+        self.segments: dict[tuple[Kernel, ...], tuple[Kernel, ...]] = {}
 
     def module_compute(self, stream: str, name: str, kernels: tuple[Kernel, ...], kernel_pass: str, *,
-                       flops: float, hbm_bytes: float, measured_s: float | None) -> Op | None:
-        """The compute op `name` of a module's `kernels` run as `kernel_pass`, with `OpGraph.add`'s flops,
-        hbm_bytes and measured_s (a measured module is not split: its collectives are unknown); returns
-        it, or None when it was split around TP collectives into several."""
-        g, s = self.g, self.s
-        items = self._tp_items(kernels, kernel_pass) if s.tp > 1 and kernels and measured_s is None else None
-        if not items:
-            return g.add("compute", stream, name, flops=flops, hbm_bytes=hbm_bytes, measured_s=measured_s,
-                         kernels=kernels, kernel_pass=kernel_pass)
+                       flops: float, hbm_bytes: float) -> Op | None:
+        """The compute op `name` of a module's `kernels` run as `kernel_pass`, with `OpGraph.add`'s flops
+        and hbm_bytes; returns it, or None when it was split around TP collectives into several."""
+        g = self.step.g
+        items = self._tp_items(kernels, kernel_pass)
+        if not items:  # a recompute that re-runs none of the kernels
+            return g.add("compute", stream, name, flops=flops, hbm_bytes=hbm_bytes, kernels=kernels,
+                         kernel_pass=kernel_pass)
         run: list[Kernel] = []
         part = 0
 
@@ -100,14 +104,13 @@ class TensorParallelCompute:
 
     def _tp_segment(self, kernels: tuple[Kernel, ...]) -> tuple[Kernel, ...]:
         """One tuple object per distinct segment: op pricing caches by the kernels' identity."""
-        cache = self.__dict__.setdefault("_tp_segments", {})
-        return cache.setdefault(kernels, kernels)
+        return self.segments.setdefault(kernels, kernels)
 
     def _tp_items(self, kernels: tuple[Kernel, ...], kernel_pass: str) -> list:
         """The module's kernels in execution order with (kind, bytes) collectives between them."""
-        s = self.s
+        s, wl = self.step.s, self.step.wl
         ops = conjugates(s.sequence_parallel)
-        elements = self.wl.tokens * self.wl.meta["hidden"]  # the (b, s, h) activation
+        elements = wl.tokens * wl.meta["hidden"]  # the (b, s, h) activation
         hidden_bytes = elements * s.param_bytes
         backward = kernel_pass == "backward"
         items: list = []
@@ -133,7 +136,7 @@ class TensorParallelCompute:
             if after and after[pick]:
                 items.append((after[pick], hidden_bytes))
             if k.name == LOSS_KERNEL and not backward:
-                items += [("all_reduce", self.wl.tokens * 4)] * LOSS_PARALLEL_ALL_REDUCES
+                items += [("all_reduce", wl.tokens * 4)] * LOSS_PARALLEL_ALL_REDUCES
         return items
 
 
