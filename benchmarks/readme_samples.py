@@ -1,15 +1,18 @@
-"""The README's sample outputs, made by the tool: rewrite them (default) or check them (--check).
+"""The sample outputs of README.md and docs/*.md, made by the tool: rewrite them (default) or check them
+(--check).
 
 A sample is a fenced block without a language whose first line is `$ fsdp-sim ARGS`. Its command runs
 in a scratch folder: an argument naming a file of the repository (scenarios/...) is given that file, and a
-file the command names that the repository lacks comes from the README's ```yaml block whose first line
-is `# NAME` or `# NAME: ...`. What it prints (stdout, then stderr) is the sample's text.
+file the command names that the repository lacks comes from a ```yaml block whose first line is `# NAME`
+or `# NAME: ...`: the sample's own document's block if it has one, else the block of that name in another
+document (README.md, then docs/*.md in name order). What it prints (stdout, then stderr) is the sample's text.
 
 A line `...` in a sample stands for any number of lines the README leaves out; every other line must be
 the tool's, in order. Rewriting keeps each cut: a part between cuts runs from the line that looks like
 its old first line (numbers aside) to the one that looks like its old last line.
 
-Run: python benchmarks/readme_samples.py [--check] [README.md]   (tests/test_readme.py checks)
+Run: python benchmarks/readme_samples.py [--check] [FILE.md ...]   (default: README.md and docs/*.md;
+tests/test_readme.py checks)
 """
 
 from __future__ import annotations
@@ -38,14 +41,29 @@ class Sample:
     end: int
 
 
+def documents() -> list[Path]:
+    """The files whose samples are the tool's: README.md, then docs/*.md in name order."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
 def files_in(text: str) -> dict[str, str]:
-    """The README's yaml blocks whose first line names a file."""
+    """A document's yaml blocks whose first line names a file."""
     out = {}
     for m in FENCE.finditer(text):
         head = m.group(2).split("\n", 1)[0]
         name = re.match(r"#\s*([\w./-]+\.ya?ml)\b", head)
         if m.group(1) == "yaml" and name:
             out[name.group(1)] = m.group(2)
+    return out
+
+
+def files_for(path: Path) -> dict[str, str]:
+    """The yaml blocks a sample of `path` may use: its own, then those of the other documents."""
+    out: dict[str, str] = {}
+    for other in reversed(documents()):
+        if other.resolve() != Path(path).resolve():
+            out.update(files_in(other.read_text()))
+    out.update(files_in(Path(path).read_text()))
     return out
 
 
@@ -165,27 +183,46 @@ def regenerate(shown: list[str], actual: list[str]) -> list[str]:
     return out
 
 
-def main(argv: list[str]) -> int:
-    check = "--check" in argv
-    path = Path(next((a for a in argv if not a.startswith("--")), ROOT / "README.md"))
+def _shown(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def process(path: Path, check: bool) -> tuple[int, int]:
+    """Check or rewrite the samples of one document: (samples, how many differ)."""
     text = path.read_text()
-    files = files_in(text)
+    files = files_for(path)
     pieces, last, failed = [], 0, 0
-    for sample in samples(text):
+    found = samples(text)
+    for sample in found:
         actual = run(sample.command, files)
         problem = mismatch(sample.lines, actual)
-        print(f"{'differs' if problem else 'same   '} $ {sample.command}")
+        print(f"{'differs' if problem else 'same   '} {_shown(path)}: $ {sample.command}")
+        failed += bool(problem)
         if check:
             if problem:
-                failed += 1
                 print(f"  {problem}")
             continue
         new = regenerate(sample.lines, actual) if problem else sample.lines
         pieces += [text[last:sample.start], f"$ {sample.command}\n" + "\n".join(new) + "\n"]
         last = sample.end
-    if not check:
+    if not check and failed:
         path.write_text("".join(pieces) + text[last:])
-    return 1 if failed else 0
+    return len(found), failed
+
+
+def main(argv: list[str]) -> int:
+    check = "--check" in argv
+    paths = [Path(a) for a in argv if not a.startswith("--")] or documents()
+    total = failed = 0
+    for path in paths:
+        n, bad = process(path, check)
+        total, failed = total + n, failed + bad
+    verb = "differ" if check else "rewritten"
+    print(f"{total} samples in {len(paths)} files: {total - failed} the same, {failed} {verb}")
+    return 1 if check and failed else 0
 
 
 if __name__ == "__main__":
