@@ -2,8 +2,13 @@
 
 Run: python benchmarks/bench_components.py
 A row whose model figure is far from its reference is a component to fix, never a constant to tune:
-the step time is only as right as these pieces. Reference keys ([C#], [S#]) are listed with their
+the step time is only as right as these pieces. Reference keys ([C#], [S#], [I#]) are listed with their
 public sources in hardware_profiles/README.md ("Source keys").
+
+Each row shows the model at the rate the reference benchmark ran at (`model`, compared with it) and at
+the rate the GPU sustains through a long training step (`sustained`, what a simulated step uses: the
+profile's `sustained:` derating, hardware/profiles.py `Sustained`). The last table gives each profile's
+derating and its source.
 """
 
 from __future__ import annotations
@@ -12,20 +17,31 @@ from fsdp_sim.hardware.collectives import ProcessGroup, collective_time
 from fsdp_sim.hardware.costs import NCCL_HBM_TRAFFIC_PER_LINK_BYTE
 from fsdp_sim.hardware.kernels import (ComputeOptions, attention_tflops, gemm_time, kernels_time, memory_efficiency,
                                        select_sdpa_backend)
-from fsdp_sim.hardware.profiles import load_profile
+from fsdp_sim.hardware.profiles import load_profile, profile_names
 from fsdp_sim.workload.kernels import block_kernels
 from fsdp_sim.workload.presets import PRESETS
 
 GiB, MiB = 1 << 30, 1 << 20
-ROWS: list[tuple[str, str, float, float, str]] = []  # component, unit, reference, model, source
+ROWS: list[tuple[str, str, float, float, float, str]] = []  # component, unit, reference, model, sustained, source
 
 
-def row(component: str, unit: str, reference: float, model: float, source: str) -> None:
-    ROWS.append((component, unit, reference, model, source))
+def row(component: str, unit: str, reference: float, model, source: str) -> None:
+    """`model` is a function of a profile (called at its benchmark rates, then as sustained) or a number
+    no derating moves (collectives, counts)."""
+    if callable(model):
+        bench, sustained = model(True), model(False)
+    else:
+        bench = sustained = model
+    ROWS.append((component, unit, reference, bench, sustained, source))
+
+
+def profile(name: str, benchmark: bool):
+    gpu = load_profile(name)
+    return gpu.at_benchmark_rates() if benchmark else gpu
 
 
 def gemms() -> None:
-    for profile, (m, n, k), ref, src in [
+    for name, (m, n, k), ref, src in [
         ("h100-sxm", (4096, 4096, 4096), 783.3, "XLA H100 table [C2]"),
         ("h100-sxm", (256, 4096, 4096), 412.0, "XLA H100 table, small M [C2]"),
         ("h100-sxm", (4096, 1024, 4096), 738.5, "XLA H100 table, GQA k/v-like [C2]"),
@@ -36,36 +52,40 @@ def gemms() -> None:
         ("h100-sxm-96gb", (65536, 7168, 8192), 575.1, "FBGEMM bf16, H100 500 W [C4]"),
         ("h100-sxm-96gb", (65536, 8192, 3584), 546.3, "FBGEMM bf16, H100 500 W [C4]"),
     ]:
-        gpu = load_profile(profile)
-        t = gemm_time(gpu, m, n, k, "bf16")
-        row(f"GEMM bf16 {m}x{n}x{k} on {profile}", "TFLOPS", ref, 2 * m * n * k / t / 1e12, src)
-    a100 = load_profile("a100-80gb")
-    row("fp32 matmul 10240^3 on a100, TF32 off", "s", 0.11, gemm_time(a100, 10240, 10240, 10240, "fp32"),
-        "PyTorch docs cuda.rst [C6]")
+        row(f"GEMM bf16 {m}x{n}x{k} on {name}", "TFLOPS", ref,
+            lambda b, name=name, m=m, n=n, k=k: 2 * m * n * k / gemm_time(profile(name, b), m, n, k, "bf16") / 1e12, src)
+    row("fp32 matmul 10240^3 on a100, TF32 off", "s", 0.11,
+        lambda b: gemm_time(profile("a100-80gb", b), 10240, 10240, 10240, "fp32"), "PyTorch docs cuda.rst [C6]")
     row("fp32 matmul 10240^3 on a100, TF32 on", "s", 0.016,
-        gemm_time(a100, 10240, 10240, 10240, "fp32", allow_tf32=True), "PyTorch docs cuda.rst [C6]")
-    h100 = load_profile("h100-sxm")
-    mlp = {f: sum(gemm_time(h100, 8192, n, k, "bf16") for n, k in ((f, 4096), (f, 4096), (4096, f))) for f in (10922, 10944)}
+        lambda b: gemm_time(profile("a100-80gb", b), 10240, 10240, 10240, "fp32", allow_tf32=True),
+        "PyTorch docs cuda.rst [C6]")
+
+    def mlp(f: int, b: bool) -> float:
+        return sum(gemm_time(profile("h100-sxm", b), 8192, n, k, "bf16") for n, k in ((f, 4096), (f, 4096), (4096, f)))
+
     row("SwiGLU MLP GEMMs d_ff 10922 / 10944 on h100 (time ratio)", "x", 398.4 / 272.7 * 10922 / 10944,
-        mlp[10922] / mlp[10944], "stas00 SwiGLU width benchmark [C1]")
+        lambda b: mlp(10922, b) / mlp(10944, b), "stas00 SwiGLU width benchmark [C1]")
 
 
 def attention() -> None:
-    a100, h100 = load_profile("a100-80gb"), load_profile("h100-sxm")
-    for gpu, name in ((a100, "a100"), (h100, "h100")):
+    def rate(name: str, b: bool, backend: str, s: int, causal: bool, d: int = 128) -> tuple[float, float]:
+        return attention_tflops(profile(name, b), backend, d, s, causal)
+
+    for name in ("a100-80gb", "h100-sxm"):
         for s, ref in ((2048, (155, 265)), (8192, (182, 308))):
-            fwd, bwd = attention_tflops(gpu, "flash", 128, s, True)
-            row(f"FA2 fwd+bwd causal d128 s={s} on {name}", "TFLOPS", ref[name == "h100"], 3.5 / (1 / fwd + 2.5 / bwd) / 1e12,
+            row(f"FA2 fwd+bwd causal d128 s={s} on {name}", "TFLOPS", ref[name == "h100-sxm"],
+                lambda b, name=name, s=s: 3.5 / (1 / rate(name, b, "flash", s, True)[0]
+                                                 + 2.5 / rate(name, b, "flash", s, True)[1]) / 1e12,
                 "flash-attention benchmark figure [C9]")
-    fwd, bwd = attention_tflops(a100, "flash", 128, 8192, False)
-    row("FA2 backward non-causal d128 s=8192 on a100 (fwd+bwd rate)", "TFLOPS", 201, bwd / 1e12, "[C9]")
-    fwd, bwd = attention_tflops(h100, "flash", 128, 8192, False)
-    row("FA2 backward non-causal d128 s=8192 on h100", "TFLOPS", 318, bwd / 1e12, "FA3 paper backward figure [C12]")
-    fwd, bwd = attention_tflops(h100, "cudnn", 128, 4608, False)
-    row("cuDNN SDPA fwd (1, 24, 4608, 128) on h100", "TFLOPS", 631.3, fwd / 1e12, "Tritonbench, pytorch#142132 [C14]")
-    fwd, _ = attention_tflops(h100, select_sdpa_backend("sm90", ComputeOptions(torch_version=(2, 6))), 128, 4608, False)
-    row("default SDPA fwd (1, 24, 4608, 128) on h100, torch 2.6", "TFLOPS", 329.5, fwd / 1e12,
-        "Tritonbench, pytorch#142132 [C14]")
+    row("FA2 backward non-causal d128 s=8192 on a100 (fwd+bwd rate)", "TFLOPS", 201,
+        lambda b: rate("a100-80gb", b, "flash", 8192, False)[1] / 1e12, "[C9]")
+    row("FA2 backward non-causal d128 s=8192 on h100", "TFLOPS", 318,
+        lambda b: rate("h100-sxm", b, "flash", 8192, False)[1] / 1e12, "FA3 paper backward figure [C12]")
+    row("cuDNN SDPA fwd (1, 24, 4608, 128) on h100", "TFLOPS", 631.3,
+        lambda b: rate("h100-sxm", b, "cudnn", 4608, False)[0] / 1e12, "Tritonbench, pytorch#142132 [C14]")
+    backend = select_sdpa_backend("sm90", ComputeOptions(torch_version=(2, 6)))
+    row("default SDPA fwd (1, 24, 4608, 128) on h100, torch 2.6", "TFLOPS", 329.5,
+        lambda b: rate("h100-sxm", b, backend, 4608, False)[0] / 1e12, "Tritonbench, pytorch#142132 [C14]")
 
 
 def memory_bound() -> None:
@@ -77,9 +97,11 @@ def memory_bound() -> None:
         ("cross_entropy", (16384, 131072), 0, 0.41, "HF cross-entropy fwd on A100 [C5]"),
     ]:
         row(f"{kind} {shape or f'{nbytes / 1e6:.0f} MB'} fraction of HBM peak", "", ref,
-            memory_efficiency(kind, shape, nbytes, fused=False), src)
+            lambda b, kind=kind, shape=shape, nbytes=nbytes: memory_efficiency(kind, shape, nbytes, fused=False)
+            * profile("h100-sxm", b).sustained.memory, src)
     row("RMSNorm torch.compile 32Kx4K on h100", "GB/s", 2300,
-        memory_efficiency("norm", (32768, 4096), 0, fused=True) * h100.hbm_bandwidth_Bps / 1e9, "Quack figure [C17]")
+        lambda b: memory_efficiency("norm", (32768, 4096), 0, fused=True) * profile("h100-sxm", b).memory_Bps / 1e9,
+        "Quack figure [C17]")
 
 
 def collectives() -> None:
@@ -93,11 +115,11 @@ def collectives() -> None:
         ("b200", "all_reduce", 4 * GiB, 32, 4, 377.3e9, "4x8 B200 over 8x400G EFA, AR 4 GiB [S8]"),
         ("h100-sxm", "all_gather", 2 * GiB, 256, 32, 200e9, "32x8 H100 8x400G RoCE AG 2 GB [C29 nccl#1218]"),
     ]
-    for profile, kind, size, ranks, nodes, ref, src in cases:
-        fabric = load_profile(profile).fabric
+    for name, kind, size, ranks, nodes, ref, src in cases:
+        fabric = load_profile(name).fabric
         t = collective_time(kind, size, ProcessGroup(ranks, nodes), fabric)
         factor = (2 if kind == "all_reduce" else 1) * (ranks - 1) / ranks
-        row(f"{kind} {size / MiB:.0f} MiB on {nodes}x{ranks // nodes} {profile} (busbw)", "GB/s", ref / 1e9,
+        row(f"{kind} {size / MiB:.0f} MiB on {nodes}x{ranks // nodes} {name} (busbw)", "GB/s", ref / 1e9,
             size * factor / t / 1e9, src)
     fabric = load_profile("h100-sxm").fabric
     for ranks, nodes, ref in ((8, 1, 32.2), (64, 8, 296.8), (256, 32, 1204)):
@@ -122,16 +144,26 @@ def overheads() -> None:
         h100.sm_count / (h100.sm_count - held), "arXiv 2507.03114 [C25] (model: a GEMM on H100 beside one collective)")
     demand = NCCL_HBM_TRAFFIC_PER_LINK_BYTE * 350e9
     row("memory-bound kernel slowdown beside an 8xH100 all-gather", "x", float("nan"),
-        1 + demand / h100.hbm_bandwidth_Bps, "no measurement found (component-timing §5.2 gap)")
+        1 + demand / h100.memory_Bps, "no measurement found (component-timing §5.2 gap)")
+
+
+def sustained_rates() -> None:
+    """Each profile's derating: its clocks and what a long step runs compute- and memory-bound kernels at."""
+    print(f"\n{'profile':<16}{'limit W':>8}{'bench MHz':>10}{'settled MHz':>12}{'compute':>9}{'memory':>8}  source")
+    for name in profile_names():
+        s = load_profile(name).sustained
+        clocks = [f"{c:.0f}" if c is not None else "-" for c in (s.benchmark_clock_mhz, s.sm_clock_mhz)]
+        print(f"{name:<16}{s.power_limit_w:>8.0f}{clocks[0]:>10}{clocks[1]:>12}{s.compute:>9.3f}{s.memory:>8.3f}  {s.source}")
 
 
 def main() -> None:
     for part in (gemms, attention, memory_bound, collectives, overheads):
         part()
-    print(f"{'component':<66}{'unit':>7}{'reference':>11}{'model':>10}{'model/ref':>10}  source")
-    for component, unit, ref, model, src in ROWS:
+    print(f"{'component':<66}{'unit':>7}{'reference':>11}{'model':>10}{'model/ref':>10}{'sustained':>10}  source")
+    for component, unit, ref, model, sustained, src in ROWS:
         ratio = model / ref if ref == ref and ref else float("nan")
-        print(f"{component:<66}{unit:>7}{ref:>11.4g}{model:>10.4g}{ratio:>10.2f}  {src}")
+        print(f"{component:<66}{unit:>7}{ref:>11.4g}{model:>10.4g}{ratio:>10.2f}{sustained:>10.4g}  {src}")
+    sustained_rates()
 
 
 if __name__ == "__main__":

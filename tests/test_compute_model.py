@@ -19,7 +19,8 @@ from fsdp_sim.workload.kernels import block_kernels
 from fsdp_sim.workload.model import Kernel
 from fsdp_sim.workload.presets import PRESETS
 
-H100, A100 = load_profile("h100-sxm"), load_profile("a100-80gb")
+# the components at the rates their benchmarks measured (tests/test_sustained.py: a long step's derating)
+H100, A100 = load_profile("h100-sxm").at_benchmark_rates(), load_profile("a100-80gb").at_benchmark_rates()
 
 
 @pytest.mark.parametrize("row", kd.H100_GEMM_TABLE)
@@ -159,6 +160,6 @@ def test_a_parts_own_fp8_gemm_measurement_is_its_fp8_rate():
     """The 500 W H100 96GB: FBGEMM's fp8 GEMM at 8192^3 ran 1125 TFLOPS [C4], not the 700 W part's 70.9 % of
     1,979; H200 its MAMF 1,453.4 [S7]; H100 SXM the architecture's 70.9 %."""
     from fsdp_sim.hardware.kernels import gemm_rate
-    assert gemm_rate(load_profile("h100-sxm-96gb"), "fp8", False) == pytest.approx(1978.9e12 * 0.5685)
-    assert gemm_rate(load_profile("h200"), "fp8", False) == pytest.approx(1978.9e12 * 0.7345)
+    assert gemm_rate(load_profile("h100-sxm-96gb").at_benchmark_rates(), "fp8", False) == pytest.approx(1978.9e12 * 0.5685)
+    assert gemm_rate(load_profile("h200").at_benchmark_rates(), "fp8", False) == pytest.approx(1978.9e12 * 0.7345)
     assert gemm_rate(H100, "fp8", False) == pytest.approx(1402.6e12)

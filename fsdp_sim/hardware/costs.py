@@ -95,7 +95,7 @@ class OpCosts:
         comm = [o for o in running if o.kind in COLLECTIVES]
         if not comm:
             return [1.0] * len(running)
-        hbm = self.gpu.hbm_bandwidth_Bps
+        hbm = self.gpu.memory_Bps
         demands = [self._hbm_demand(o) for o in comm]
         # collectives of different process groups in flight share the links both cross (HSDP's shard and
         # replicate groups meet on the NICs once a shard group spans nodes)

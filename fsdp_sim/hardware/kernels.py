@@ -99,7 +99,12 @@ def gemm_shape_factor(m: int, n: int, k: int, sms: int, itemsize: int) -> float:
 
 
 def gemm_rate(gpu, dtype: str, allow_tf32: bool) -> float:
-    """Large-GEMM FLOP/s for matmuls in `dtype`: peak x the fraction a large GEMM reaches."""
+    """Large-GEMM FLOP/s for matmuls in `dtype` through a long step: peak x the fraction a large GEMM
+    reaches in its benchmark x the GPU's sustained derating (`profiles.Sustained`)."""
+    return _benchmark_gemm_rate(gpu, dtype, allow_tf32) * gpu.sustained.compute
+
+
+def _benchmark_gemm_rate(gpu, dtype: str, allow_tf32: bool) -> float:
     if dtype == "fp32":
         if allow_tf32 and "tf32" in gpu.peak_flops:
             return gpu.peak_flops["tf32"] * kd.TF32_EFFICIENCY.get(gpu.arch, gpu.matmul_efficiency)
@@ -160,9 +165,10 @@ def _fwd_bwd_tflops(backend: str, table_arch: str, d: int, s: int, causal: bool)
 
 
 def attention_tflops(gpu, backend: str, d: int, s: int, causal: bool, peak: float | None = None) -> tuple[float, float]:
-    """(forward, backward) FLOP/s of an attention kernel on `gpu`, at the fraction of the 16-bit peak its
-    table measured (sm90 tables for Hopper/Blackwell, sm80 for the rest) times `peak`, the peak of the
-    dtype it runs in (default: this GPU's bf16 peak, which makes a GPU's own table exact)."""
+    """(forward, backward) FLOP/s of an attention kernel on `gpu` through a long step, at the fraction of the
+    16-bit peak its table measured (sm90 tables for Hopper/Blackwell, sm80 for the rest) times `peak`, the
+    peak of the dtype it runs in (default: this GPU's bf16 peak, which makes a GPU's own table exact),
+    derated as any compute-bound kernel is (`profiles.Sustained`: tensor cores at the settled clock)."""
     table_arch = "sm90" if gpu.arch in ("sm90", "sm100") or backend == "cudnn" else "sm80"
     fwd, bwd = _fwd_bwd_tflops(backend, table_arch, d, s, causal)
     table_peak = kd.H100_BF16_PEAK if table_arch == "sm90" else kd.A100_BF16_PEAK
@@ -171,7 +177,8 @@ def attention_tflops(gpu, backend: str, d: int, s: int, causal: bool, peak: floa
     # never above the GPU's own large-GEMM rate: attention's FLOPs are matmuls on the same tensor cores (a
     # GPU whose GEMMs reach less of its peak than the table's GPU did, MI300X's 51 %, or a power-capped part)
     ceiling = gpu.matmul_efficiency * peak
-    return min(fwd * scale, ceiling), min(bwd * scale, ceiling)
+    derate = gpu.sustained.compute
+    return min(fwd * scale, ceiling) * derate, min(bwd * scale, ceiling) * derate
 
 
 # ---- memory-bound ---------------------------------------------------------------------------------------
@@ -237,7 +244,7 @@ def kernels_time(gpu, kernels: tuple[Kernel, ...], pass_: str, dtype: str, optio
         else:
             nbytes = k.bwd_bytes if backward else k.bytes
             eff = memory_efficiency(k.kind, k.shape, nbytes, options.torch_compile)
-            out.memory += nbytes / (gpu.hbm_bandwidth_Bps * eff)
+            out.memory += nbytes / (gpu.memory_Bps * eff)
             launches = k.bwd_launches if backward else k.launches
             out.launches += min(launches, 1) if options.torch_compile else launches
     return out
@@ -254,4 +261,4 @@ def elementwise_time(gpu, nbytes: float) -> float:
     """A plain copy / cast / foreach pass of `nbytes` at the eager elementwise efficiency for its size."""
     if nbytes <= 0:
         return 0.0
-    return nbytes / (gpu.hbm_bandwidth_Bps * _log_interp(kd.EAGER_MEMORY["elementwise"], nbytes))
+    return nbytes / (gpu.memory_Bps * _log_interp(kd.EAGER_MEMORY["elementwise"], nbytes))

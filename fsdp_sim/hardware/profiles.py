@@ -3,7 +3,8 @@
 The loader checks the keys exactly (an unknown or missing key is an error naming it) and that every
 figure is a positive number. Units live in the key names: bytes, bytes/s, FLOP/s, seconds. The node's
 links are a `fabric:` mapping (`fsdp_sim.hardware.fabric`); a scenario may override its NICs. An optional
-`host:` mapping is the GPU's link to host memory and the node's host memory (`fsdp_sim.hardware.host_link`).
+`host:` mapping is the GPU's link to host memory and the node's host memory (`fsdp_sim.hardware.host_link`). A `sustained:` mapping says how a long training step's kernels run
+beside the short benchmarks the profile's rates come from (`Sustained`).
 """
 
 from __future__ import annotations
@@ -22,12 +23,32 @@ from fsdp_sim.hardware.host_link import HostLink, parse_host
 
 REPO_PROFILES = Path(__file__).resolve().parents[2] / "hardware_profiles"
 _TOP_KEYS = {"name", "description", "arch", "sm_count", "memory_bytes", "hbm_bandwidth_Bps", "peak_flops",
-             "matmul_efficiency", "gpus_per_node", "fabric", "cuda_context_bytes", "nccl_bytes"}
+             "matmul_efficiency", "gpus_per_node", "fabric", "cuda_context_bytes", "nccl_bytes", "sustained"}
 # the host link and memory (hardware/host_link.py): only offload needs them; the large-GEMM fraction of the
 # fp8 peak where a measurement of this part exists (else kernel_data.FP8_EFFICIENCY by architecture)
 _OPTIONAL_KEYS = {"host", "fp8_matmul_efficiency"}
 _PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")  # a file stem in a profile folder
 _ARCH = re.compile(r"sm\d{2,3}|gfx\d{3,4}[a-z]?")  # CUDA compute capability (sm80, sm90, sm100) or AMD target (gfx942)
+
+
+@dataclass(frozen=True, slots=True)
+class Sustained:
+    """A GPU through a training step of seconds, repeated for hours, against the benchmarks of a few hundred
+    milliseconds on a cool GPU that its rates come from (MAMF, FlashAttention's figures, memory-bound
+    kernel benchmarks): it settles at the clock its power limit allows under dense tensor-core load
+    (`../shared/reference/in-situ.md` 1-2). Compute-bound kernels (GEMM, attention) run at `compute` times
+    their benchmark rate, memory-bound ones at `memory` times theirs (HBM's clock does not move at these
+    limits: in-situ.md 4). The clocks are stated where a source gives them (None where none does)."""
+
+    power_limit_w: float
+    benchmark_clock_mhz: float | None  # the SM clock the profile's benchmark figures ran at
+    sm_clock_mhz: float | None  # the SM clock settled under dense tensor-core load at the power limit
+    compute: float  # compute-bound kernels' rate, as a fraction of their benchmark rate
+    memory: float  # memory-bound kernels' bandwidth, as a fraction of their benchmark bandwidth
+    source: str  # where the derating comes from (printed by benchmarks/bench_components.py)
+
+
+BENCHMARK_RATES = Sustained(0.0, None, None, 1.0, 1.0, "benchmark rates, no derating")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +67,17 @@ class GpuProfile:
     nccl_bytes: int
     host: HostLink | None = None
     fp8_matmul_efficiency: float | None = None
+    sustained: Sustained = BENCHMARK_RATES
+
+    @property
+    def memory_Bps(self) -> float:
+        """Device-memory bandwidth through a long step: the vendor peak, derated as `sustained` says."""
+        return self.hbm_bandwidth_Bps * self.sustained.memory
+
+    def at_benchmark_rates(self) -> GpuProfile:
+        """This GPU as its short benchmarks see it (no sustained derating): benchmarks/bench_components.py
+        prints both."""
+        return replace(self, sustained=BENCHMARK_RATES)
 
     def matmul_peak(self, dtype: str, allow_tf32: bool = False) -> float:
         """Dense peak FLOP/s of matmuls in `dtype`: fp32 ones run on TF32 tensor cores only when allowed
@@ -97,11 +129,13 @@ _RANGES = {"sm_count": (1, 1 << 16), "memory_bytes": (1 << 20, 1 << 50), "hbm_ba
            "peak_flops": (1e9, 1e18), "gpus_per_node": (1, 1024), "cuda_context_bytes": (1, 1 << 40),
            "nccl_bytes": (1, 1 << 40),
            # a GEMM at under 0.1 % of peak is no GPU's: far below it, times stop being finite
-           "matmul_efficiency": (1e-3, 1.0), "fp8_matmul_efficiency": (1e-3, 1.0)}
+           "matmul_efficiency": (1e-3, 1.0), "fp8_matmul_efficiency": (1e-3, 1.0),
+           # a training step's rate against a short benchmark's: a power cap can halve it, nothing doubles it
+           "power_limit_w": (1.0, 1e5), "clock_mhz": (1.0, 1e5), "derate": (0.05, 1.0)}
 
 
-def _number(path: str, key: str, value, *, integer: bool = False) -> float:
-    low, high = _RANGES[key.split(".")[0]]
+def _number(path: str, key: str, value, *, integer: bool = False, limits: str | None = None) -> float:
+    low, high = _RANGES[limits or key.split(".")[0]]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
         raise ScenarioError(f"{path}: {key} must be a number in [{low:g}, {high:g}], got {show(value)}")
     if integer and value != int(value):
@@ -133,7 +167,22 @@ def parse_profile(data, path: str) -> GpuProfile:
         cuda_context_bytes=_number(path, "cuda_context_bytes", data["cuda_context_bytes"], integer=True),
         nccl_bytes=_number(path, "nccl_bytes", data["nccl_bytes"], integer=True),
         host=parse_host(data["host"], f"{path}: host", gpus_per_node) if "host" in data else None,
-        fp8_matmul_efficiency=_fp8_efficiency(path, data))
+        fp8_matmul_efficiency=_fp8_efficiency(path, data),
+        sustained=_sustained(path, data["sustained"]))
+
+
+def _sustained(path: str, data) -> Sustained:
+    where = f"{path}: sustained"
+    check_mapping(where, data, {"power_limit_w", "benchmark_clock_mhz", "sm_clock_mhz", "compute_derate",
+                                "memory_derate", "source"})
+    clocks = {k: None if data[k] is None else _number(where, k, data[k], limits="clock_mhz")
+              for k in ("benchmark_clock_mhz", "sm_clock_mhz")}
+    if not isinstance(data["source"], str) or not data["source"].isprintable() or not data["source"].strip():
+        raise ScenarioError(f"{where}.source: expected one printable line naming the derating's source")
+    return Sustained(power_limit_w=_number(where, "power_limit_w", data["power_limit_w"]), **clocks,
+                     compute=_number(where, "compute_derate", data["compute_derate"], limits="derate"),
+                     memory=_number(where, "memory_derate", data["memory_derate"], limits="derate"),
+                     source=data["source"])
 
 
 def _fp8_efficiency(path: str, data: dict) -> float | None:
