@@ -131,8 +131,8 @@ def _color_keys(args: argparse.Namespace, axes=None) -> list[str]:
     from fsdp_sim.sweep import MICRO_BATCH, search_axes
 
     searched = search_axes(args.grid, axes, args.set)
-    keys = [k for a in searched for k in a.keys] + ([MICRO_BATCH] if args.max_batch else [])
-    color_by = args.color_by.split(",") if args.color_by else (searched[0].keys if searched else keys[:1])
+    keys = [k for a in searched for k in a.columns] + ([MICRO_BATCH] if args.max_batch else [])  # the rows' columns
+    color_by = args.color_by.split(",") if args.color_by else (searched[0].columns if searched else keys[:1])
     for key in color_by:
         if key not in keys:
             raise ScenarioError(f"--color-by: {key!r} is not a swept key, expected one of {keys}")

@@ -8,6 +8,8 @@ input for the whole sweep.
 The base file is read once; each point is parsed, simulated and reduced to the row's figures (no
 live-buffer list, no units table, no exporters). `max_batch=True` replaces the micro-batch axis by a
 search: for each point, the largest `training.micro_batch` that fits (`largest_fitting`).
+
+A row holds the swept columns (a named choice: its name, not the keys it sets) and the figures.
 """
 
 from __future__ import annotations
@@ -235,6 +237,8 @@ def sweep(path: str, assignments: Iterable[str] = (), *, grid: str | None = None
     for result in results:
         if "unknown key" in result["error"]:  # a misspelt key: the sweep itself is wrong
             raise ScenarioError(result["error"])
-    keys = columns(all_axes) + ([MICRO_BATCH] if max_batch else [])
-    rows = [dict.fromkeys(keys) | chosen | result for (chosen, _), result in zip(todo, results)]
+    swept = columns(all_axes)
+    keys = swept + ([MICRO_BATCH] if max_batch else [])
+    # a named choice's keys are not columns (they differ between its choices): the row shows its name (grid.py)
+    rows = [dict.fromkeys(keys) | {k: chosen.get(k) for k in swept} | result for (chosen, _), result in zip(todo, results)]
     return keys, rows
