@@ -146,15 +146,14 @@ def run_max_batch(data: dict, base: Path, limit: int = MAX_BATCH_LIMIT) -> dict:
     return {MICRO_BATCH: max(best, 1)} | rows[max(best, 1)]
 
 
-def _bar(total: int, enabled: bool):
-    """A tqdm progress bar on stderr, or None (not asked for, or tqdm is not installed)."""
-    if not enabled or total < 2:
+def _bar(total: int, enabled: bool, initial: int = 0):
+    """A tqdm progress bar on stderr with an ETA, or None (not asked for, or too little to show); `initial`:
+    the points a resumed sweep found done (the rate and ETA count only those it runs)."""
+    if not enabled or total - initial < 2:
         return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, unit="config", file=sys.stderr, leave=False, dynamic_ncols=True)
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="config", file=sys.stderr, leave=False, dynamic_ncols=True)
 
 
 def sweep_points(datas: list[dict], folder: Path, *, jobs: int | None = None, progress: bool = False,

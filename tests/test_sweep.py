@@ -91,14 +91,19 @@ def test_sweep_and_recommend_plot_the_pareto_front(tmp_path):
         assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
-def test_progress_bar_only_when_asked_and_installed(monkeypatch):
-    import sys
-
+def test_progress_bar_only_when_asked_goes_to_stderr_and_counts_resumed_points(capsys):
+    """tqdm is a core dependency: asked for (the CLI asks when stderr is a terminal), a sweep of two or more
+    points to run gets a bar on stderr; a resumed sweep's bar starts at the points the file held."""
     from fsdp_sim.sweep import _bar
 
     assert _bar(100, enabled=False) is None
-    monkeypatch.setitem(sys.modules, "tqdm", None)  # not installed: the sweep runs without a bar
-    assert _bar(100, enabled=True) is None
+    assert _bar(11, enabled=True, initial=10) is None  # one point left: nothing to watch
+    bar = _bar(100, enabled=True, initial=40)
+    bar.update(10)
+    bar.refresh()
+    bar.close()
+    out, err = capsys.readouterr()
+    assert out == "" and "40/100" in err and "50/100" in err and "config" in err
 
 
 def test_sweep_max_batch_searches_the_micro_batch(tmp_path):

@@ -1,10 +1,14 @@
-"""`fsdp-sim sweep -o FILE`: the rows of a grid with named choices in every format."""
+"""`fsdp-sim sweep -o FILE`: the rows of a grid with named choices in every format; the progress bar."""
 
 from __future__ import annotations
 
 import csv
 import io
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,3 +76,36 @@ def test_a_named_choice_colours_the_plot_by_its_name(tmp_path):
     assert main(["sweep", path, "--grid", str(grid), "--jobs", "1", "-q", "--plot", str(tmp_path / "p.png"),
                  "--color-by", "training.activation_checkpointing"]) == 2
 
+
+LLAMA = ROOT / "scenarios" / "llama3-8b-8xh100.yaml"
+
+
+def test_the_progress_bar_shows_on_a_terminal_with_an_eta_and_never_in_a_pipe(tmp_path):
+    """stderr a terminal: a bar with a rate and an ETA; stderr a pipe (a log, CI): nothing on it."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    argv = [sys.executable, "-m", "fsdp_sim.cli", "sweep", str(LLAMA), "--set", "training.micro_batch=1,2,3,4,5,6,7,8",
+            "--set", "training.seq_len=1024,2048,4096,8192", "--set", "fsdp.backward_prefetch=true,false", "--jobs", "1"]
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # tqdm draws nothing 0 wide
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=follower, text=True)
+    os.close(follower)
+    stderr = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the terminal closed: the sweep ended
+            break
+        if not chunk:
+            break
+        stderr += chunk
+    stdout = proc.communicate(timeout=120)[0]
+    os.close(leader)
+    text = stderr.decode(errors="replace")
+    assert proc.returncode == 0 and stdout.count("\n") == 65, text  # the table went to stdout: header and 64 rows
+    assert "/64" in text and "config/s" in text and re.search(r"<\d\d:\d\d", text), text  # ETA: <mm:ss
+    piped = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert piped.returncode == 0 and piped.stderr == "" and piped.stdout == stdout
