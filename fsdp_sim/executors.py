@@ -1,7 +1,9 @@
 """Where a sweep's points run: in this process, in local processes, or on a Dask distributed cluster.
 
 `open_runner(executor, jobs=..., scheduler=...)` is a context manager that yields a runner; its
-`map(fn, items, tick)` returns `[fn(x) for x in items]` in order, calling `tick(n)` as n items finish.
+`map(fn, items, tick, done=...)` returns `[fn(x) for x in items]` in order, calling `tick(n)` as n items
+finish and `done(indices, results)` with each finished chunk as it finishes (in the order they finish, so
+that a sweep can write its rows while later chunks still run: a killed sweep keeps what finished).
 
 - `local` (the default): this process for `jobs=1` or a single item, else a `ProcessPoolExecutor` with
   `jobs` workers (default: one per CPU), items sent in chunks.
@@ -13,14 +15,24 @@
 
 Dask comes from the optional `dask` extra (`pip install -e '.[dask]'`, dask[distributed]). Items are sent
 in chunks so that the scheduler's per-task cost (about a millisecond) stays small beside a point's.
+
+A worker lost mid-sweep: on Dask, the scheduler hands the tasks the worker held (running, queued, or
+finished but not yet gathered) to the other workers, and the rows are those of a run without the loss
+(a task that kills `distributed.scheduler.allowed-failures` workers, 3 by default, is given up:
+`WorkerLost`). No `retries=` on the tasks: those re-run a task that raised, and a point's own failure is
+already its row's error; anything else a task raises is a bug that would raise again. A local process
+pool cannot replace a dead process (`BrokenProcessPool`): `WorkerLost` too, and the sweep's finished
+rows stay in its file for `--resume`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -31,6 +43,11 @@ EXECUTORS = ("local", "dask", "dask-local")
 _INSTALL = "pip install -e '.[dask]' (or pip install 'dask[distributed]')"
 
 Tick = Callable[[int], None]
+Done = Callable[[range, list], None]  # (the indices of a finished chunk's items, their results)
+
+
+class WorkerLost(RuntimeError):
+    """A worker process died (killed, out of memory, crashed) and its items cannot be run elsewhere."""
 
 
 def _chunk_size(n: int, workers: int) -> int:
@@ -51,13 +68,21 @@ def _no_tick(n: int) -> None:
     pass
 
 
+def _ignore_sigint() -> None:
+    """A pool worker leaves Ctrl-C to the sweep's process (a terminal sends SIGINT to the whole group):
+    that one keeps the finished rows and ends the workers, without a traceback from each of them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class SerialRunner:
     """Every item in this process, in order."""
 
-    def map(self, fn: Callable, items: Sequence, tick: Tick = _no_tick) -> list:
+    def map(self, fn: Callable, items: Sequence, tick: Tick = _no_tick, done: Done | None = None) -> list:
         out = []
-        for x in items:
+        for i, x in enumerate(items):
             out.append(fn(x))
+            if done is not None:
+                done(range(i, i + 1), out[-1:])
             tick(1)
         return out
 
@@ -69,16 +94,47 @@ class ProcessRunner:
         self.jobs = jobs or os.cpu_count() or 1
         self._pool: ProcessPoolExecutor | None = None
 
-    def map(self, fn: Callable, items: Sequence, tick: Tick = _no_tick) -> list:
+    def map(self, fn: Callable, items: Sequence, tick: Tick = _no_tick, done: Done | None = None) -> list:
         if len(items) <= 1:
-            return SerialRunner().map(fn, items, tick)
+            return SerialRunner().map(fn, items, tick, done)
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(max_workers=self.jobs)
-        out = []
-        for x in self._pool.map(fn, items, chunksize=_chunk_size(len(items), self.jobs)):
-            out.append(x)
-            tick(1)
+            self._pool = ProcessPoolExecutor(max_workers=self.jobs, initializer=_ignore_sigint)
+        size = _chunk_size(len(items), self.jobs)
+        # submitted in order, as Executor.map would: the workers take the chunks in the dispatch order
+        futures = {self._pool.submit(_run_chunk, fn, list(items[i:i + size])): i for i in range(0, len(items), size)}
+        out: list = [None] * len(items)
+        finished = False
+        try:
+            for future in as_completed(futures):
+                try:
+                    results = future.result()
+                except BrokenProcessPool:
+                    raise WorkerLost("a worker process died (killed, or out of memory?)") from None
+                start = futures[future]
+                out[start:start + len(results)] = results
+                if done is not None:
+                    done(range(start, start + len(results)), results)
+                tick(len(results))
+            finished = True
+        finally:
+            if not finished:  # Ctrl-C, a dead worker, or `done` raised: end now, not after the queued chunks
+                self._abandon()
         return out
+
+    def _abandon(self) -> None:
+        """End the workers now: a shutdown, even without waiting, leaves the running chunks to the
+        interpreter's exit, which joins them. The pool's own thread then fails the chunks left (nothing
+        is cancelled first: on Python 3.11 it would raise InvalidStateError setting their failure)."""
+        pool, self._pool = self._pool, None  # the next map opens a fresh pool
+        if pool is None:
+            return
+        processes = getattr(pool, "_processes", None)  # no public way before Python 3.14's terminate_workers
+        if processes is None:
+            pool.shutdown(wait=False, cancel_futures=True)
+            return
+        for process in list(processes.values()):
+            process.terminate()
+        pool.shutdown(wait=False)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -94,28 +150,38 @@ class DaskRunner:
     def workers(self) -> int:
         return max(1, sum(self.client.nthreads().values()))
 
-    def map(self, fn: Callable, items: Sequence, tick: Tick = _no_tick) -> list:
+    def map(self, fn: Callable, items: Sequence, tick: Tick = _no_tick, done: Done | None = None) -> list:
         if not items:
             return []
-        chunks = _chunks(items, _chunk_size(len(items), self.workers()))
+        distributed = _distributed()
+        size = _chunk_size(len(items), self.workers())
+        chunks = _chunks(items, size)
         # pure=False: every point is its own task, and the scheduler need not hash the scenario data
         futures = self.client.map(partial(_run_chunk, fn), chunks, pure=False)
-        out: list = []
+        start = {future.key: i * size for i, future in enumerate(futures)}
+        out: list = [None] * len(items)
         try:
-            for future, chunk in zip(futures, chunks):
-                out.extend(_result(future))
-                tick(len(chunk))
+            # as they finish; a lost worker's tasks run again elsewhere and arrive later (the module's docstring)
+            for future, results in _gathered(distributed, futures):
+                i = start[future.key]
+                out[i:i + len(results)] = results
+                if done is not None:
+                    done(range(i, i + len(results)), results)
+                tick(len(results))
         finally:
             self.client.cancel(futures)
         return out
 
 
-def _result(future) -> list:
+def _gathered(distributed, futures) -> Iterator[tuple[Any, list]]:
+    """(future, its results) as each finishes, a failure as one line."""
     try:
-        return future.result()
+        yield from distributed.as_completed(futures, with_results=True)
     except ModuleNotFoundError as exc:  # a worker without fsdp-sim: say what to do, not a traceback
         raise ScenarioError(f"--executor dask: a worker cannot import {exc.name!r}; install fsdp-sim on every "
                             "worker (the same version as here)") from None
+    except distributed.KilledWorker as exc:
+        raise WorkerLost(f"a task was given up after it ended the workers that ran it ({exc})") from None
 
 
 def _distributed():

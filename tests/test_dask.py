@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import yaml
 
@@ -87,3 +89,39 @@ def test_bad_executor_options_are_one_line(tmp_path, capsys):
     with pytest.raises(ScenarioError, match="cannot connect"):  # nothing listens there
         with open_runner("dask", scheduler="tcp://127.0.0.1:1", timeout_s=1):
             pass
+
+
+def _die_once(marker: str, folder: str, data: dict) -> dict:
+    """run_point, except that the first point of micro-batch 3 kills its worker process (as the kernel's OOM
+    killer or a lost node would) before it returns: once, marked by a file all workers see."""
+    import os
+    import signal
+
+    from fsdp_sim.sweep import run_point
+
+    if data["training"]["micro_batch"] == 3 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return run_point(data, folder)
+
+
+def test_a_worker_killed_mid_chunk_is_replaced_and_the_rows_are_those_of_a_run_without_the_loss(tmp_path):
+    """A dask-local cluster of two worker processes; one dies in the middle of a chunk. The scheduler runs
+    that chunk again on a worker that lives (the nanny restarts the dead one), and every row arrives once,
+    equal to the serial run's."""
+    from functools import partial
+
+    from fsdp_sim.sweep import points
+
+    datas = [d for _, d in points(TINY, [("training.micro_batch", [1, 2, 3, 4]), ("fsdp.wrap", ["per_block", "whole_model"]),
+                                         ("fsdp.shard_size", [3, 8]), ("fsdp.backward_prefetch", [True, False])])]
+    marker = tmp_path / "died"
+    work = partial(_die_once, str(marker), str(tmp_path))
+    finished: list[int] = []
+    with open_runner("dask-local", jobs=2) as runner:
+        pids = set(runner.client.run(os.getpid).values())
+        rows = runner.map(work, datas, done=lambda at, results: finished.extend(at))
+        after = set(runner.client.run(os.getpid).values())
+    assert marker.exists() and pids - after  # a worker did die, and another process took its place
+    assert sorted(finished) == list(range(len(datas)))  # each chunk's rows once
+    assert rows == [_die_once(str(marker), str(tmp_path), d) for d in datas]
