@@ -20,6 +20,7 @@ from fsdp_sim.errors import ScenarioError, one_line, show
 from fsdp_sim.hardware.fabric import NETWORK_SCALARS, Network, check_network_value
 from fsdp_sim.hardware.kernels import SDPA_BACKENDS, ComputeOptions
 from fsdp_sim.hardware.profiles import Cluster, load_profile
+from fsdp_sim.hardware.software import rms_norm_kernel
 from fsdp_sim.schedule.optimizers import IMPLEMENTATIONS, OPTIMIZERS, check_optimizer
 from fsdp_sim.schedule.offload import host_memory_key, offload_keys
 from fsdp_sim.schedule.fsdp1_scenario import FSDP1_ONLY, fsdp1_options, fsdp1_settings
@@ -112,8 +113,9 @@ def _check_scale(workload: Workload, grad_accumulation: int = 1) -> None:
 
 
 def _workload(model: dict, *, micro_batch: int, seq_len: int, act_dtype: str, base: Path,
-              tp: TensorParallel = TensorParallel()) -> Workload:
-    """The model section as a workload: a Hugging Face config.json, a workload file, or dimensions."""
+              tp: TensorParallel = TensorParallel(), norm_impl: str = "fused") -> Workload:
+    """The model section as a workload: a Hugging Face config.json, a workload file, or dimensions, whose
+    RMSNorm runs `norm_impl` (the torch release's `nn.RMSNorm`) unless `model.norm_impl` says otherwise."""
     sources = [k for k in ("hf_config", "workload") if k in model]
     if sources:
         if tp.size > 1:
@@ -129,6 +131,8 @@ def _workload(model: dict, *, micro_batch: int, seq_len: int, act_dtype: str, ba
         from fsdp_sim.workload.io import load_workload
         return load_workload(path)
     name, dims = _model_dims(model)
+    if "norm_impl" not in model:
+        dims = replace(dims, norm_impl=norm_impl)
     if tp.size > 1:  # one rank's share of torchtitan's TP plan (workload/tensor_parallel.py)
         return build_tp_transformer(dims, tp, micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype, name=name)
     return build_transformer(dims, micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype, name=name)
@@ -346,15 +350,16 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     if not 0 <= margin < 1:
         raise ScenarioError(f"report.safety_margin: {margin} must be in [0, 1)")
 
-    workload = _workload(model, micro_batch=micro_batch, seq_len=seq_len, act_dtype=param_dtype, base=base, tp=tp)
+    compute = expect_mapping("compute", data.get("compute"))
+    reject_unknown_keys("compute", compute, {"trace", "allow_tf32", "torch_compile", "sdpa_backend", "torch_version",
+                                             "float8"})
+    options = _compute_options(compute)  # the torch release decides the software stack (hardware/software.py)
+    workload = _workload(model, micro_batch=micro_batch, seq_len=seq_len, act_dtype=param_dtype, base=base, tp=tp,
+                         norm_impl=rms_norm_kernel(options.torch_version))
     loss = get_key("training", training, "loss", str, "torch", choices=LOSSES)
     workload = apply_loss(workload, loss, batch=micro_batch, seq=seq_len)  # workload/loss.py
     workload = adapt_workload(workload, adaptation) if adaptation else workload
     _check_scale(workload, grad_accumulation)
-    compute = expect_mapping("compute", data.get("compute"))
-    reject_unknown_keys("compute", compute, {"trace", "allow_tf32", "torch_compile", "sdpa_backend", "torch_version",
-                                             "float8"})
-    options = _compute_options(compute)
     if "trace" in compute:
         trace = Path(get_key("compute", compute, "trace", str))
         workload = apply_profile_trace(workload, trace if trace.is_absolute() else base / trace)

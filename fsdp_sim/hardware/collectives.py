@@ -25,9 +25,9 @@ plateau at smaller messages and a faster one at larger, instead of stretching th
 bandwidth ratio. The curve's time is then w / c(w).
 
 Latency, without counting it twice. That time already contains the latency of the measured configuration
-(the curve's all-reduce on n_ref GPUs over N_ref nodes). NCCL's tuner (NCCL 2.27.3, what torch 2.8 ships
-[C28]; constants [C27]) says how latency changes from there: ring AG/RS = base + (n-1-(N-1)) x intraLat +
-(N-1) x interLat, all-reduce twice the steps, intraLat = max(intraLat, 3 x host net overhead) across nodes,
+(the curve's all-reduce on n_ref GPUs over N_ref nodes). NCCL's tuner (the NCCL the run's torch ships,
+software.py [C28]; constants [C27]) says how latency changes from there: ring AG/RS = base + (n-1-(N-1)) x
+intraLat + (N-1) x interLat, all-reduce twice the steps (2N network steps before NCCL 2.26, 2(N-1) after), intraLat = max(intraLat, 3 x host net overhead) across nodes,
 and the multi-node ring Simple all-reduce latency x1.4 once S/(channels x n) >= 64 B. So
 
     t = w / c(w) + L(kind, n, N) - L_ref
@@ -46,7 +46,7 @@ all-gather of 2 GB ~200 GB/s against all-reduce ~340, hardware.md 3.3; "the tune
 scale", component-timing 6.4), so all-gathers and reduce-scatters over tens of nodes are optimistic; NVLS
 runs at its 8-GPU plateau from 5 GPUs (H200 gains 1.14x over Ring at 5 to 1.29x at 8, B200 engages at 6:
 hardware.md 3.5; a TP group divides a node, so only 5- to 7-GPU nodes see it); NCCL's constants are
-2.27.3's whatever `compute.torch_version` says.
+2.21.5's and 2.27.3's, the versions read: older and newer releases take the nearest.
 
 Links shared by collectives in flight on different process groups: `links_crossed` names the per-rank
 resources a group's collective uses ("nvlink" / "xgmi" / "pcie" for this GPU's scale-up ports, "nic" for
@@ -62,8 +62,9 @@ from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
 from fsdp_sim.hardware.fabric import KINDS, Fabric, SizeCurve, bus_factor
+from fsdp_sim.hardware.software import ring_all_reduce_inter_steps
 
-NCCL_VERSION = "2.27.3"                 # torch 2.8 wheels pin nvidia-nccl-cu12==2.27.3 [C28] (component-timing 6.1)
+DEFAULT_NCCL = (2, 27, 3)               # the version the measured curves' tuner latencies are computed with [C27]
 RING_SIMPLE_BASE_LATENCY_S = 8.4e-6     # baseLat Ring Simple, NCCL 2.21.5-2.27.3 [C27] (hardware.md 3.2 [S3])
 NVLS_BASE_LATENCY_S = 0.0               # baseLat NVLS = 0 [C27]
 SIMPLE_NET_OVERHEAD_FACTOR = 3.0        # multi-node rings: intraLat = max(intraLat, netOverhead x 3) for Simple [C27]
@@ -95,15 +96,18 @@ def algorithm(kind: str, group: ProcessGroup, fabric: Fabric) -> str:
     return "nvls" if nvls else "ring"
 
 
-def tuner_latency_s(kind: str, algo: str, ranks: int, nodes: int, fabric: Fabric, nbytes: float = 0.0) -> float:
+def tuner_latency_s(kind: str, algo: str, ranks: int, nodes: int, fabric: Fabric, nbytes: float = 0.0,
+                    nccl: tuple[int, ...] = DEFAULT_NCCL) -> float:
     """NCCL's tuner latency (Simple protocol) of one collective on `ranks` ranks over `nodes` nodes [C27]."""
     if ranks == 1:
         return 0.0
     if algo == "nvls":
         return NVLS_BASE_LATENCY_S + fabric.nvls.hop_latency_s  # single node: base + intraLat
     net = fabric.network
-    per_hop = 2 if kind == "all_reduce" else 1  # all-reduce = reduce-scatter then all-gather
-    steps, inter = per_hop * (ranks - 1), per_hop * (nodes - 1)
+    if kind == "all_reduce":  # reduce-scatter then all-gather
+        steps, inter = 2 * (ranks - 1), ring_all_reduce_inter_steps(nodes, nccl) if nodes > 1 else 0
+    else:
+        steps, inter = ranks - 1, nodes - 1
     intra = fabric.ring.hop_latency_s
     if nodes > 1:
         intra = max(intra, SIMPLE_NET_OVERHEAD_FACTOR * net.host_overhead_s)
@@ -138,8 +142,10 @@ def _size_curve(algo: str, group: ProcessGroup, fabric: Fabric) -> SizeCurve:
     return fabric.network.size_curve if group.nodes > 1 else fabric.ring.size_curve
 
 
-def collective_time(kind: str, nbytes: float, group: ProcessGroup, fabric: Fabric) -> float:
-    """Seconds for one `kind` collective of `nbytes` (AG: gathered output; RS: full input; AR: the buffer)."""
+def collective_time(kind: str, nbytes: float, group: ProcessGroup, fabric: Fabric,
+                    nccl: tuple[int, ...] = DEFAULT_NCCL) -> float:
+    """Seconds for one `kind` collective of `nbytes` (AG: gathered output; RS: full input; AR: the buffer)
+    under the tuner of NCCL `nccl`."""
     _check_kind(kind)
     if group.ranks == 1 or nbytes <= 0:
         return 0.0
@@ -147,7 +153,7 @@ def collective_time(kind: str, nbytes: float, group: ProcessGroup, fabric: Fabri
     curve = _size_curve(algo, group, fabric)
     wire = nbytes * bus_factor(kind, group.ranks) / plateau_busbw_Bps(kind, group, fabric)
     shaped = wire / curve.fraction(wire)  # the measured curve's time, its own configuration's latency included
-    latency = tuner_latency_s(kind, algo, group.ranks, group.nodes, fabric, nbytes)
+    latency = tuner_latency_s(kind, algo, group.ranks, group.nodes, fabric, nbytes, nccl)
     latency_ref = curve.latency_s
     floor = wire + (shaped - wire) * min(1.0, latency / latency_ref)
     return max(shaped + latency - latency_ref, floor)

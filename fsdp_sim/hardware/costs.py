@@ -17,6 +17,7 @@ from fsdp_sim.hardware.compute import ComputeCosts
 from fsdp_sim.hardware.host_link import HOST_GROUPS, HostCosts
 from fsdp_sim.hardware.kernels import ComputeOptions, KernelTimes
 from fsdp_sim.hardware.profiles import Cluster
+from fsdp_sim.hardware.software import nccl_version
 from fsdp_sim.schedule.ops import COLLECTIVES, Op
 
 NCCL_HBM_TRAFFIC_PER_LINK_BYTE = 3.0  # HBM bytes per byte on the link: store, read back, user data [C24 nccl#1428]
@@ -50,6 +51,7 @@ class OpCosts:
             "replicate": ProcessGroup(replicate_size, replicate_nodes),
         } | {name: ProcessGroup(k, -(-k // gpn)) for name, k in (consecutive_groups or {}).items()}
         self.fabric = cluster.fabric  # the profile's fabric with the scenario's hardware.network applied
+        self.nccl = nccl_version(options.torch_version)  # whose tuner prices the collectives (software.py)
         self.ring = {"shard": (shard_size - 1) / shard_size, "replicate": 2 * (replicate_size - 1) / replicate_size}
         self.ring |= {name: (k - 1) / k for name, k in (consecutive_groups or {}).items()}  # all-gathers in them
         self.ring |= ring_factors or {}
@@ -71,7 +73,8 @@ class OpCosts:
             key = (kind, op.comm_bytes, op.group)
             t = self._collective.get(key)
             if t is None:
-                t = self._collective[key] = collective_time(kind, op.comm_bytes, self.groups[op.group], self.fabric)
+                t = self._collective[key] = collective_time(kind, op.comm_bytes, self.groups[op.group], self.fabric,
+                                                                   self.nccl)
             return t
         if op.group in HOST_GROUPS:
             return self.host.duration(op)

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from fsdp_sim.engine import MemoryTrace, Timing
 from fsdp_sim.engine.reserved import CappedReplay
 from fsdp_sim.errors import ScenarioError
-from fsdp_sim.hardware.kernels import KernelTimes
+from fsdp_sim.hardware.kernels import KernelTimes, select_sdpa_backend
+from fsdp_sim.hardware.software import nccl_buffer_bytes, nccl_version, stack
 from fsdp_sim.scenario import Scenario
 from fsdp_sim.schedule.ops import CATEGORIES, COLLECTIVES, Op, OpGraph
 from fsdp_sim.schedule.settings import post_forward_group
@@ -235,7 +236,8 @@ class StepResult:
     def nccl_groups(self) -> dict[str, int]:
         """NCCL's buffers per process group the step's collectives run in (communicators are created at
         their first collective; HSDP has two, hpZ adds its post-forward groups): the profile's figure each."""
-        nccl = self.scenario.cluster.gpu.nccl_bytes  # measured per PyTorch process group (profile comment)
+        # measured per PyTorch process group (profile comment), for the NCCL the run's torch ships
+        nccl = nccl_buffer_bytes(self.scenario.cluster.gpu, nccl_version(self.scenario.compute.torch_version))
         return {g: nccl for g in sorted({op.group for op in self._activity()[1]})}  # the collectives, found once
 
     def allocator(self, peak: dict) -> dict:
@@ -328,7 +330,12 @@ class StepResult:
                       "trainable_params": trainable_counts(wl)[0], "frozen_params": trainable_counts(wl)[1],
                       "param_storage_dtype": s.storage_dtype},
             "hardware": {"profile": sc.cluster.gpu.name, "nodes": sc.cluster.nodes,
-                         "gpus_per_node": sc.cluster.gpus_per_node, "world_size": sc.cluster.world_size},
+                         "gpus_per_node": sc.cluster.gpus_per_node, "world_size": sc.cluster.world_size,
+                         # through a long step at the power limit (profiles.Sustained): x the benchmark rates
+                         "sustained_compute": sc.cluster.gpu.sustained.compute,
+                         "sustained_memory": sc.cluster.gpu.sustained.memory},
+            "software": stack(sc.compute, select_sdpa_backend(sc.cluster.gpu.arch, sc.compute),  # hardware/software.py
+                              wl.meta.get("norm_impl")),
             "fsdp": {"runtime": f"fsdp{s.version}" if s.version else "none", "wrap": sc.wrap, "sharding_strategy": sc.sharding_strategy,
                      "zero_stage": sc.zero_stage, "zero_stage_note": ZERO_NOTES.get(sc.zero_stage),
                      "shard_size": s.shard_size, "replicate_size": s.replicate_size,

@@ -24,6 +24,15 @@ def verdict(mem: dict) -> str:
     return "FITS" if mem["within_budget"] else "FITS INSIDE THE MARGIN" if mem["fits"] else "DOES NOT FIT"
 
 
+def software_line(d: dict) -> str:
+    """The stack the run assumes (hardware/software.py) and the rate its GPU sustains (profiles.Sustained)."""
+    sw, hw = d["software"], d["hardware"]
+    norm = f", norms {sw['norm']}" if sw["norm"] else ""
+    return (f"  software           torch {sw['torch']} (NCCL {sw['nccl']}): SDPA {sw['sdpa_backend']}{norm}, "
+            f"{'torch.compile' if sw['torch_compile'] else 'eager'}; kernels at the GPU's sustained rate "
+            f"(compute {hw['sustained_compute']:.3f}x, memory {hw['sustained_memory']:.2f}x its benchmarks)")
+
+
 def summary(d: dict) -> str:
     """Human-readable text from `StepResult.to_dict()` output."""
     peak, mem, comm, comp, f = d["peak"], d["memory"], d["communication"], d["compute"], d["fsdp"]
@@ -43,6 +52,7 @@ def summary(d: dict) -> str:
          f"param {f['param_dtype']} / reduce {f['reduce_dtype']}, {f['optimizer']}, AC {f['activation_checkpointing']}"),
         f"  parameters         trainable {d['model']['trainable_params']} params, frozen {d['model']['frozen_params']} params; "
         f"trainable stored in {d['model']['param_storage_dtype']}",
+        software_line(d),
         *([f"  note               {f['zero_stage_note']}"] if f.get("zero_stage_note") else []),
         *([f"  tensor parallel    {f['tp']} ranks per TP group (sequence parallel {f['sequence_parallel']}); FSDP over "
            f"the {f['shard_size'] * f['replicate_size']} data-parallel ranks; parameters above are one rank's"]
