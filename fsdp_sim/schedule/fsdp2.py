@@ -357,12 +357,19 @@ class FSDP2Runtime(FSDPWalk, GradientReduction):
         self.pending_all_gather[u.name] = (out, ag)
 
     def wait_for_unshard(self, u: Unit, *, in_forward: bool) -> None:
-        """PG:wait_for_unshard: copy-out into the padded per-parameter storages, `_to_unsharded` (which
-        drops an hpZ unit's post-forward copies), then the all-gather output is freed, or in forward
-        kept until the next unit's copy-out."""
+        """PG:wait_for_unshard (torch 2.13 `_fsdp_param_group.py`): in FORWARD the previous unit's all-gather
+        result is released first (`comm_ctx.all_gather_state = None`, after the all-gather streams wait
+        its copy-out), then this unit's copy-out into the padded per-parameter storages and `_to_unsharded`
+        (which drops an hpZ unit's post-forward copies). In forward this unit's all-gather output is kept
+        as the new `all_gather_state` until the next unit's copy-out; outside it the output is freed at
+        once and the copy-in and all-gather streams wait this copy-out's event."""
         if u.name not in self.pending_all_gather:
             return
         g = self.g
+        if in_forward and self.all_gather_state is not None:
+            self.all_gather_streams_wait = self.all_gather_state[1]
+            g.free(COMPUTE, self.all_gather_state[0])
+            self.all_gather_state = None
         pending = self.pending_all_gather.pop(u.name)
         if pending is None:
             nbytes = self.unit_bytes[u.name].gathered
@@ -375,16 +382,11 @@ class FSDP2Runtime(FSDPWalk, GradientReduction):
         copy_out = g.add("copy", COMPUTE, f"{u.name} all-gather copy-out", deps=(ag,), hbm_bytes=2 * out.nbytes)
         for buf in self.sharded_post_forward.pop(u.name, ()):
             g.free(COMPUTE, buf)
-        if not in_forward:
+        if in_forward:  # kept so that the next copy-in / all-gather never overwrite memory being copied out
+            self.all_gather_state = (out, copy_out)
+        else:
+            self.all_gather_streams_wait = copy_out
             g.free(COMPUTE, out)
-            return
-        # forward: this output stays referenced until the next unit's copy-out, so the next
-        # copy-in/all-gather never overwrite memory still being copied out
-        if self.all_gather_state is not None:
-            # the all-gather streams wait the previous copy-out before that output is dropped
-            self.all_gather_streams_wait = self.all_gather_state[1]
-            g.free(COMPUTE, self.all_gather_state[0])
-        self.all_gather_state = (out, copy_out)
 
     def reshard(self, u: Unit) -> None:
         buf = self.unsharded[u.name]
