@@ -1,6 +1,6 @@
 """`fsdp-sim run SCENARIO [--json F] [--trace F] [--timeline-csv F] [--memory-snapshot F] [--plot F] [--html F]
 [--require-fit]`;
-`fsdp-sim sweep SCENARIO [--grid GRID] [--set KEY=V1,V2 ...] [-o rows.csv] [--plot F]`;
+`fsdp-sim sweep SCENARIO [--grid GRID] [--set KEY=V1,V2 ...] [-o rows.csv|.json|.jsonl [--resume]] [--plot F]`;
 `fsdp-sim recommend SCENARIO [--grid GRID] [--max-batch] [--json F] [--plot F]`
 (both `[--html F] [--executor local|dask|dask-local] [--scheduler ADDRESS]`);
 `fsdp-sim trace package.module:factory --batch B --seq S -o workload.yaml`; `fsdp-sim --version`.
@@ -159,26 +159,38 @@ def _html(args: argparse.Namespace, keys: list[str], rows: list[dict], color_by:
     _write(args.html, sweep_report(title, keys, rows, color_by, **kw))
 
 
-def _sweep(args: argparse.Namespace) -> int:
-    import csv
-    import io
+def _stopped(args: argparse.Namespace, what: str) -> str:
+    """The line for a sweep that stopped before its end: where its finished rows are, and how to go on."""
+    output = getattr(args, "output", None)
+    if output:
+        return f"{what}; the finished rows are in {output}: rerun the same command with --resume to compute the rest"
+    return what
 
+
+def _sweep(args: argparse.Namespace) -> int:
+    """`fsdp-sim sweep`: Ctrl-C exits 130 and a dead worker 1, each with one line (the rows that finished are
+    in the -o file already, for --resume)."""
+    from fsdp_sim.executors import WorkerLost
+
+    try:
+        return _sweep_rows(args)
+    except KeyboardInterrupt:
+        print(f"fsdp-sim: {one_line(_stopped(args, 'interrupted'))}", file=sys.stderr)
+        return 130
+    except WorkerLost as exc:
+        print(f"fsdp-sim: error: {one_line(_stopped(args, str(exc)))}", file=sys.stderr)
+        return 1
+
+
+def _sweep_rows(args: argparse.Namespace) -> int:
     from fsdp_sim.results.report import fmt_bytes, fmt_time
-    from fsdp_sim.sweep import COLUMNS, sweep
+    from fsdp_sim.sweep import sweep
 
     _check_sweep_args(args)
     color_by = _color_keys(args) if args.plot or args.html else []
     keys, rows = sweep(args.scenario, args.set, grid=args.grid, jobs=args.jobs, progress=_progress(args),
-                       max_batch=args.max_batch, executor=args.executor, scheduler=args.scheduler)
-    if args.output:
-        if args.output.lower().endswith(".json"):
-            _write(args.output, _json(rows, indent=1) + "\n")
-        else:
-            out = io.StringIO()
-            writer = csv.DictWriter(out, fieldnames=[*keys, *COLUMNS])
-            writer.writeheader()
-            writer.writerows(rows)
-            _write(args.output, out.getvalue())
+                       max_batch=args.max_batch, executor=args.executor, scheduler=args.scheduler,
+                       output=args.output, resume=args.resume)
     if not args.quiet:
         shown = [{k: "-" if row[k] is None else str(row[k]) for k in keys} for row in rows]
         width = {k: max([20, len(k)] + [len(v[k]) for v in shown]) for k in keys}  # a named choice may be longer
@@ -202,6 +214,20 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _recommend(args: argparse.Namespace) -> int:
+    """`fsdp-sim recommend`: a sweep, stopped by Ctrl-C (130) or a dead worker (1) with one line."""
+    from fsdp_sim.executors import WorkerLost
+
+    try:
+        return _recommend_rows(args)
+    except KeyboardInterrupt:
+        print("fsdp-sim: interrupted", file=sys.stderr)
+        return 130
+    except WorkerLost as exc:
+        print(f"fsdp-sim: error: {one_line(str(exc))}", file=sys.stderr)
+        return 1
+
+
+def _recommend_rows(args: argparse.Namespace) -> int:
     from fsdp_sim.datafile import read_data
     from fsdp_sim.recommend import default_axes, explain, recommend
     from fsdp_sim.sweep import sweep
@@ -298,7 +324,11 @@ def build_parser() -> argparse.ArgumentParser:
                                        "a base scenario. Exit 1 when every point failed.")
     sweep.add_argument("scenario", help="path to the base scenario YAML file")
     _search_options(sweep)
-    sweep.add_argument("-o", "--output", metavar="FILE", help="write every row as CSV (or JSON for .json)")
+    sweep.add_argument("-o", "--output", metavar="FILE",
+                       help="write every row as it finishes: CSV, or JSON for .json, JSON lines for .jsonl")
+    sweep.add_argument("--resume", action="store_true",
+                       help="keep the rows the -o file holds from an earlier run of the same sweep and compute "
+                            "only the other points")
     sweep.add_argument("-q", "--quiet", action="store_true", help="print nothing")
     sweep.set_defaults(func=_sweep)
     rec = sub.add_parser("recommend", help="the fastest configuration that fits, why, and the runners-up",

@@ -9,7 +9,9 @@ The base file is read once; each point is parsed, simulated and reduced to the r
 live-buffer list, no units table, no exporters). `max_batch=True` replaces the micro-batch axis by a
 search: for each point, the largest `training.micro_batch` that fits (`largest_fitting`).
 
-A row holds the swept columns (a named choice: its name, not the keys it sets) and the figures.
+A row holds the swept columns (a named choice: its name, not the keys it sets) and the figures. With
+`output`, rows go to that file as their chunk finishes (fsdp_sim/rowfile.py), and `resume` computes only
+the points that file does not hold yet.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from fsdp_sim.errors import ScenarioError
 from fsdp_sim.executors import check as check_executor, open_runner
 from fsdp_sim.grid import SECTIONS, Axis, columns, combinations, combine, load_grid, parse_assignment
 from fsdp_sim.results.report import COLUMNS
+from fsdp_sim.rowfile import RowFile
 from fsdp_sim.scenario import parse_scenario
 from fsdp_sim.simulate import simulate
 
@@ -158,20 +161,25 @@ def _bar(total: int, enabled: bool, initial: int = 0):
 
 def sweep_points(datas: list[dict], folder: Path, *, jobs: int | None = None, progress: bool = False,
                  max_batch: bool = False, executor: str = "local", scheduler: str | None = None,
-                 runner=None) -> list[dict]:
+                 runner=None, done: Callable[[list[int], list[dict]], None] | None = None,
+                 total: int | None = None) -> list[dict]:
     """One row per scenario data, in order, on `executor` (fsdp_sim/executors.py: `local` = this process
     for jobs=1, else `jobs` processes; `dask` = the cluster at `scheduler`; `dask-local` = a LocalCluster),
-    or on an open `runner` (reused across calls, e.g. by a benchmark)."""
+    or on an open `runner` (reused across calls, e.g. by a benchmark). `done(indices, rows)`: each finished
+    chunk's rows (indices into `datas`) as it finishes; `total`: the whole sweep's points for the progress
+    bar, when `datas` is what a resumed sweep has left."""
     work = partial(run_max_batch if max_batch else run_point, base=folder)
-    bar = _bar(len(datas), progress)
+    total = len(datas) if total is None else total
+    bar = _bar(total, progress, initial=total - len(datas))
     tick = bar.update if bar is not None else (lambda n: None)
     order = dispatch_order(datas)
+    finished = None if done is None else (lambda at, rows: done([order[j] for j in at], rows))
     try:
         if runner is not None:
-            rows = runner.map(work, [datas[i] for i in order], tick)
+            rows = runner.map(work, [datas[i] for i in order], tick, done=finished)
         else:
             with open_runner(executor, jobs=jobs, scheduler=scheduler) as opened:
-                rows = opened.map(work, [datas[i] for i in order], tick)
+                rows = opened.map(work, [datas[i] for i in order], tick, done=finished)
     finally:
         if bar is not None:
             bar.close()
@@ -210,12 +218,14 @@ def search_axes(grid: str | None, axes: list[Axis] | None, assignments: Iterable
 
 def sweep(path: str, assignments: Iterable[str] = (), *, grid: str | None = None, axes: list[Axis] | None = None,
           jobs: int | None = None, progress: bool = False, max_batch: bool = False, executor: str = "local",
-          scheduler: str | None = None) -> tuple[list[str], list[dict]]:
-    """Run every point of the sweep; returns the swept keys and one row per point.
+          scheduler: str | None = None, output: str | None = None, resume: bool = False) -> tuple[list[str], list[dict]]:
+    """Run every point of the sweep; returns the swept keys and one row per point, in the sweep's order.
 
     The axes are the grid file's (or `axes`, e.g. recommend's default space), with `--set` assignments
     replacing the axes of their keys. With `max_batch` each row is at its largest fitting micro-batch.
     `executor` and `scheduler` say where the points run (`sweep_points`); the rows are the same.
+    `output`: a file the rows are written to as they finish (fsdp_sim/rowfile.py), rewritten in the sweep's
+    order at the end; with `resume`, the rows it holds are kept and only the other points run.
     """
     check_executor(executor, scheduler)
     base = read_data(path, "scenario")
@@ -229,15 +239,42 @@ def sweep(path: str, assignments: Iterable[str] = (), *, grid: str | None = None
             raise ScenarioError(f"--max-batch: searches {MICRO_BATCH} itself; remove it from the grid and --set")
         if isinstance(base.get("model"), dict) and "workload" in base["model"]:
             raise ScenarioError("--max-batch: model.workload fixes the micro-batch (the trace's); nothing to search")
+    if resume and not output:
+        raise ScenarioError("--resume: give the rows' file with -o FILE (the file an earlier run of this sweep wrote)")
     todo = points(base, all_axes)
-    folder = Path(path).parent if executor == "local" else Path(path).resolve().parent  # workers elsewhere
-    results = sweep_points([data for _, data in todo], folder, jobs=jobs, progress=progress, max_batch=max_batch,
-                           executor=executor, scheduler=scheduler)
-    for result in results:
-        if "unknown key" in result["error"]:  # a misspelt key: the sweep itself is wrong
-            raise ScenarioError(result["error"])
     swept = columns(all_axes)
     keys = swept + ([MICRO_BATCH] if max_batch else [])
-    # a named choice's keys are not columns (they differ between its choices): the row shows its name (grid.py)
-    rows = [dict.fromkeys(keys) | {k: chosen.get(k) for k in swept} | result for (chosen, _), result in zip(todo, results)]
+    # a named choice's keys are not columns: the row shows its name (grid.py)
+    rows: list[dict | None] = [None] * len(todo)
+    file = RowFile(output, [*keys, *COLUMNS], swept) if output else None
+    if file is not None:
+        if resume:
+            for i, row in file.resume([chosen for chosen, _ in todo]).items():
+                rows[i] = row
+        else:
+            file.start()
+    missing = [i for i, row in enumerate(rows) if row is None]
+
+    def finished(at: list[int], results: list[dict]) -> None:
+        new = []
+        for j, result in zip(at, results):
+            if "unknown key" in result["error"]:  # a misspelt key: the sweep itself is wrong
+                raise ScenarioError(result["error"])
+            i = missing[j]
+            chosen = todo[i][0]
+            rows[i] = row = dict.fromkeys(keys) | {k: chosen.get(k) for k in swept} | result
+            new.append(row)
+        if file is not None:
+            file.append(new)
+
+    folder = Path(path).parent if executor == "local" else Path(path).resolve().parent  # workers elsewhere
+    try:
+        if missing:  # a resumed sweep may have nothing left (and then starts no cluster)
+            sweep_points([todo[i][1] for i in missing], folder, jobs=jobs, progress=progress, max_batch=max_batch,
+                         executor=executor, scheduler=scheduler, done=finished, total=len(todo))
+    finally:
+        if file is not None:
+            file.close()  # what finished stays in the file, whatever stopped the sweep
+    if file is not None:
+        file.finish(rows)
     return keys, rows

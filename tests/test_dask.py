@@ -125,3 +125,32 @@ def test_a_worker_killed_mid_chunk_is_replaced_and_the_rows_are_those_of_a_run_w
     assert marker.exists() and pids - after  # a worker did die, and another process took its place
     assert sorted(finished) == list(range(len(datas)))  # each chunk's rows once
     assert rows == [_die_once(str(marker), str(tmp_path), d) for d in datas]
+
+
+def test_cli_dask_local_sweep_survives_a_killed_worker(tmp_path):
+    """`fsdp-sim sweep --executor dask-local` as a user runs it; one of its two worker processes is killed
+    once the first rows are in the file: the sweep ends normally, its file that of a local run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    psutil = pytest.importorskip("psutil")
+    path = _scenario(tmp_path)
+    axes = ["--set", "training.micro_batch=" + ",".join(map(str, range(1, 41))), "--set", "fsdp.wrap=per_block,whole_model",
+            "--set", "fsdp.backward_prefetch=true,false", "-q"]
+    assert main(["sweep", path, *axes, "--jobs", "1", "-o", str(tmp_path / "local.csv")]) == 0
+    out = tmp_path / "dask.csv"
+    argv = [sys.executable, "-m", "fsdp_sim.cli", "sweep", path, *axes, "--executor", "dask-local", "--jobs", "2",
+            "-o", str(out)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out.exists() and out.read_text().count("\n") > 1) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    written = out.read_text().count("\n") - 1 if out.exists() else 0
+    workers = [p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())
+               and "resource_tracker" not in " ".join(p.cmdline())]
+    assert proc.poll() is None and 0 < written < 160 and len(workers) == 2, (written, proc.poll())
+    workers[0].send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=120) == 0, proc.stderr.read()
+    assert out.read_text() == (tmp_path / "local.csv").read_text()
