@@ -284,7 +284,8 @@ class StepResult:
         unconstrained figure when it runs out of memory even so);
         the overheads beside the peak's categories (`overheads_bytes`); the model state per rank
         (`persistent_bytes`: what persists across steps, plus the sharded gradients, held from their
-        reduce-scatter to zero_grad)."""
+        reduce-scatter to zero_grad; under FSDP2's CPUOffloadPolicy they live on the host, `host` says; FSDP1's
+        CPUOffload keeps `_saved_grad_shard` on the GPU to the end of backward)."""
         gpu = self.scenario.cluster.gpu
         groups = self.nccl_groups()
         nccl = sum(groups.values())
@@ -302,8 +303,10 @@ class StepResult:
         persistent = {c: 0 for c in CATEGORIES}
         for b in self.memory.persistent:
             persistent[b.category] += b.nbytes
-        grads = CATEGORIES.index("sharded_grads")
-        persistent["sharded_grads"] = max(persistent["sharded_grads"], int(self.memory.levels[:, grads].max()))
+        s = self.scenario.settings
+        if not (s.offload_params and s.version == 2):  # CPUOffloadPolicy keeps no sharded gradient on the GPU
+            grads = CATEGORIES.index("sharded_grads")
+            persistent["sharded_grads"] = max(persistent["sharded_grads"], int(self.memory.levels[:, grads].max()))
         return {"capacity_bytes": gpu.memory_bytes, "safety_margin": margin, "budget_bytes": budget,
                 "required_bytes": required, "fits": required <= gpu.memory_bytes, "within_budget": required <= budget,
                 "headroom_bytes": budget - required,

@@ -133,16 +133,21 @@ class CPUOffload:
 
     def offload_sharded_grads(self, u: Unit, stream: str, event: Op) -> Op:
         """The new sharded gradient `.to("cpu")` on the post-reduce stream after `event`; the GPU copy is
-        dropped at once. The first gradient of a step becomes the host's `.grad`; a later one (gradient
-        accumulation with sync) is added into it on the CPU. Returns the copy, the stream's last op."""
+        dropped at once. The first gradient of a step becomes the host's `.grad` (a non-blocking copy into
+        pinned memory); a later one (gradient accumulation with sync) is copied with `non_blocking=False`
+        and added into it on the CPU, both on the autograd thread inside foreach_reduce (torch 2.13
+        `_fsdp_collectives.py`: "the CPU add kernel depends on the copy result and we cannot run the add
+        as a callback"), so nothing more is issued until the add is done. Returns the copy, the stream's
+        last op."""
         step = self.step
         g = step.g
         grad = step.sharded_grads.pop(u.name)
         d2h = g.add("copy", stream, f"{u.name} sharded grads D2H", deps=(event,), comm_bytes=grad.nbytes, group=D2H)
         g.free(stream, grad)
         if u.name in self.host_grads:  # grad += new_grad on CPU tensors: read both, write one
-            g.add("compute", CPU_STREAM, f"{u.name} accumulate sharded grads on the CPU", deps=(d2h,),
-                  comm_bytes=3 * grad.nbytes, group=CPU, launches=0)
+            add = g.add("compute", CPU_STREAM, f"{u.name} accumulate sharded grads on the CPU", deps=(d2h,),
+                        comm_bytes=3 * grad.nbytes, group=CPU, launches=0)
+            g.synchronize(add)  # the blocking copy, then the add, on the thread that issues the kernels
         else:
             self.host_grads.add(u.name)
             step.host.hold("sharded_grads", grad.nbytes)
