@@ -199,7 +199,7 @@ def test_cli_surface_is_frozen():
     assert surface == {
         "run": sorted(["--html", "--json", "--memory-snapshot", "--plot", "--quiet", "--require-fit", "--safety-margin",
                        "--timeline-csv", "--trace", "-h", "--help", "-q"]),
-        "sweep": sorted([*search, "--output", "-o"]),
+        "sweep": sorted([*search, "--output", "-o", "--resume"]),
         "recommend": sorted([*search, "--json", "--top"]),
         "trace": sorted(["--batch", "--block-type", "--dtype", "--input-shape", "--name", "--output", "--quiet", "--seq",
                          "-h", "--help", "-o", "-q"]),
