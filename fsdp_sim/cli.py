@@ -183,7 +183,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _sweep_rows(args: argparse.Namespace) -> int:
-    from fsdp_sim.results.report import fmt_bytes, fmt_time
+    from fsdp_sim.results.report import fit_word, fmt_bytes, fmt_time
     from fsdp_sim.sweep import sweep
 
     _check_sweep_args(args)
@@ -202,7 +202,11 @@ def _sweep_rows(args: argparse.Namespace) -> int:
             else:
                 print(f"{swept}{fmt_time(row['step_time_s']):>12}{row['tokens_per_s_per_gpu']:>11.0f}"
                       f"{fmt_bytes(row['peak_allocated_bytes']):>12}"
-                      f"{fmt_bytes(row['required_bytes']):>12}  {_fits(row)}")
+                      f"{fmt_bytes(row['required_bytes']):>12}  {fit_word(row)}")
+        if args.max_batch:
+            for row in rows:
+                if not row["error"] and row.get("training.micro_batch") is None:
+                    print(_none_fits(row, keys))
     if rows and all(row["error"] for row in rows):
         print(f"fsdp-sim: {one_line('every configuration failed; the first: ' + rows[0]['error'])}", file=sys.stderr)
         return 1
@@ -211,6 +215,16 @@ def _sweep_rows(args: argparse.Namespace) -> int:
     if args.html:
         _html(args, keys, rows, color_by)
     return 0
+
+
+def _none_fits(row: dict, keys: list[str]) -> str:
+    """--max-batch found no micro-batch within the budget: how far micro-batch 1 is over."""
+    from fsdp_sim.results.report import fmt_bytes
+
+    setting = ", ".join(f"{k}={row[k]}" for k in keys if k != "training.micro_batch" and row.get(k) is not None)
+    budget = row["required_bytes"] + row["headroom_bytes"]
+    return (f"{setting or 'the scenario'}: no micro-batch fits the {fmt_bytes(budget)} budget; micro-batch 1 "
+            f"needs {fmt_bytes(row['required_bytes'])}, {fmt_bytes(-row['headroom_bytes'])} over")
 
 
 def _recommend(args: argparse.Namespace) -> int:
@@ -229,21 +243,22 @@ def _recommend(args: argparse.Namespace) -> int:
 
 def _recommend_rows(args: argparse.Namespace) -> int:
     from fsdp_sim.datafile import read_data
-    from fsdp_sim.recommend import default_axes, explain, recommend
+    from fsdp_sim.recommend import default_axes, explain, recommend, written_values
     from fsdp_sim.sweep import sweep
 
     _check_sweep_args(args)
     if args.top < 0:
         raise ScenarioError(f"--top: must be zero or more, got {args.top}")
-    axes = None
+    axes = written = None
     if not args.grid:
-        axes = default_axes(read_data(args.scenario, "scenario"), Path(args.scenario).parent,
-                            micro_batch=not args.max_batch)
+        base, folder = read_data(args.scenario, "scenario"), Path(args.scenario).parent
+        axes = default_axes(base, folder, micro_batch=not args.max_batch)
+        written = written_values(base, folder, axes)  # the scenario as written is one of the points
     color_by = _color_keys(args, axes) if args.plot or args.html else []
     keys, rows = sweep(args.scenario, args.set, grid=args.grid, axes=axes, jobs=args.jobs,
                        progress=_progress(args), max_batch=args.max_batch, executor=args.executor,
                        scheduler=args.scheduler)
-    rec = recommend(rows, keys, top=args.top)
+    rec = recommend(rows, keys, top=args.top, written=written)
     if args.json:
         _write(args.json, _json(rec | {"rows": rows}, indent=1) + "\n")
     if args.plot and any(not r["error"] for r in rows):
@@ -359,11 +374,6 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("-q", "--quiet", action="store_true", help="print nothing")
     trace.set_defaults(func=_trace)
     return parser
-
-
-def _fits(row: dict) -> str:
-    """yes (within the budget), margin (runs, but inside the safety margin), no (out of memory)."""
-    return "yes" if row["within_budget"] else "margin" if row["fits"] else "no"
 
 
 def main(argv: list[str] | None = None) -> int:

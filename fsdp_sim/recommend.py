@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_sim.grid import Axis
-from fsdp_sim.results.report import fmt_bytes, fmt_time
+from fsdp_sim.results.report import fit_word, fmt_bytes, fmt_time, tally
 from fsdp_sim.scenario import parse_scenario
 
 SIGNIFICANT = 0.05  # a share of the step below which exposed communication or CPU-bound time limits nothing
@@ -39,13 +39,46 @@ def default_axes(base: dict, folder: Path, *, micro_batch: bool = True) -> list[
         sharding += [{"fsdp.sharding_strategy": "HYBRID_SHARD", "fsdp.reshard_after_forward": True, "fsdp.shard_size": gpn},
                      {"fsdp.sharding_strategy": "_HYBRID_SHARD_ZERO2", "fsdp.reshard_after_forward": False,
                       "fsdp.shard_size": gpn}]
-    axes = [Axis("wrap", tuple(wrap)), Axis.of("fsdp.backward_prefetch", [True, False]),
-            Axis("sharding", tuple(sharding)), Axis.of("training.activation_checkpointing", ["none", "full"]),
-            Axis.of("allocator.expandable_segments", [False, True])]
+    own = written(base, scenario)
+    axes = [Axis("wrap", _with(own["wrap"], wrap)),
+            Axis.of("fsdp.backward_prefetch", list(_with(own["fsdp.backward_prefetch"], [True, False]))),
+            Axis("sharding", _with(own["sharding"], sharding)),
+            Axis.of("training.activation_checkpointing",
+                    list(_with(own["training.activation_checkpointing"], ["none", "full"]))),
+            Axis.of("allocator.expandable_segments", list(_with(own["allocator.expandable_segments"], [False, True])))]
     traced = isinstance(base.get("model"), dict) and "workload" in base["model"]
     if micro_batch and not traced:
-        axes.append(Axis.of("training.micro_batch", list(MICRO_BATCHES)))
+        axes.append(Axis.of("training.micro_batch", list(_with(own["training.micro_batch"], MICRO_BATCHES))))
     return axes
+
+
+def written_values(base: dict, folder: Path, axes: list[Axis]) -> dict[str, Any]:
+    """The columns of the row that is the scenario as written, among `default_axes`' points."""
+    own = written(base, parse_scenario(base, name="recommend", base=folder))
+    values = {k: None for axis in axes for k in axis.keys}
+    for axis in axes:
+        option = own[axis.name]
+        values |= option if isinstance(option, dict) else {axis.name: option}
+    return values
+
+
+def written(base: dict, scenario) -> dict[str, Any]:
+    """The scenario's own value of each default axis, as the axis sets it: every axis offers it, so the
+    scenario as written is always a candidate (`recommend` then says what the winner changes from it)."""
+    fsdp, training = base.get("fsdp") or {}, base.get("training") or {}
+    s = scenario.settings
+    wrap = {"fsdp.wrap": scenario.wrap} | {f"fsdp.{k}": fsdp[k] for k in ("blocks_per_unit", "min_params") if k in fsdp}
+    sharding = {"fsdp.sharding_strategy": scenario.sharding_strategy,
+                "fsdp.reshard_after_forward": s.reshard_after_forward, "fsdp.shard_size": s.shard_size}
+    return {"wrap": wrap, "fsdp.backward_prefetch": fsdp.get("backward_prefetch", True), "sharding": sharding,
+            "training.activation_checkpointing": training.get("activation_checkpointing", "none"),
+            "allocator.expandable_segments": scenario.allocator.expandable_segments,
+            "training.micro_batch": training.get("micro_batch", 1)}
+
+
+def _with(own, choices) -> tuple:
+    """`choices` with `own` first when it is not among them."""
+    return tuple(choices) if own in choices else (own, *choices)
 
 
 def _rank(row: dict) -> tuple:
@@ -100,19 +133,28 @@ def _trade_line(trade: dict) -> str:
             f"required, headroom {fmt_bytes(trade['row']['headroom_bytes'])}: {_setting(trade['differs'])}")
 
 
-def recommend(rows: list[dict], keys: list[str], *, top: int = 3) -> dict:
+def _as_written(rows: list[dict], keys: list[str], written: dict | None) -> dict | None:
+    if written is None:
+        return None
+    return next((r for r in rows if all(r.get(k) == written.get(k) for k in keys)), None)
+
+
+def recommend(rows: list[dict], keys: list[str], *, top: int = 3, written: dict | None = None) -> dict:
     """The recommendation from sweep rows: `best` (fastest that fits), `limit` and `reason` (what stops
     the next faster configuration, or the fastest one), `next_faster` (of the faster configurations, the
     one fewest settings away from the best, then the least faster), `runners_up` (the next fitting
     configurations with figures unlike the best's, each with its trade-off), `without_retries` (when the
     best fits only by the allocator freeing its cache and retrying every step, a slowdown the step time
-    does not price: the fastest that fits without) and `counts`."""
+    does not price: the fastest that fits without), `counts`, and `as_written`: the row of the scenario as
+    written (`written`: its columns) and what the best changes from it (`change`)."""
     ok = [r for r in rows if not r.get("error")]
     fitting = sorted((r for r in ok if r["within_budget"]), key=_rank)  # fits and keeps the safety margin
-    counts = {"configurations": len(rows), "fit": len(fitting), "do_not_fit": len(ok) - len(fitting),
-              "errors": len(rows) - len(ok)}
-    out = {"keys": keys, "counts": counts, "best": None, "limit": None, "reason": "", "next_faster": None,
-           "runners_up": [], "without_retries": None}
+    words = [fit_word(r) for r in ok]
+    counts = {"configurations": len(rows), "fits": words.count("fits"), "margin": words.count("margin"),
+              "no": words.count("no"), "errors": len(rows) - len(ok)}  # fit_word's words, as every output says
+    out = {"keys": keys, "counts": counts, "tally": tally(rows), "best": None, "limit": None, "reason": "",
+           "next_faster": None, "runners_up": [], "without_retries": None,
+           "as_written": _as_written(rows, keys, written), "change": None}
     if not fitting:
         if ok:
             least = min(ok, key=lambda r: r["required_bytes"])
@@ -124,6 +166,9 @@ def recommend(rows: list[dict], keys: list[str], *, top: int = 3) -> dict:
         return out
     best = fitting[0]
     out["best"] = best
+    mine = out["as_written"]
+    if mine is not None and mine is not best and not mine.get("error"):
+        out["change"] = _trade(best, mine, keys)  # the best against the scenario as written
     faster = [r for r in ok if r["tokens_per_s_per_gpu"] > best["tokens_per_s_per_gpu"]]  # none of them fits
     if faster:  # the nearest: fewest settings changed from the best, then the smallest gain
         nxt = min(faster, key=lambda r: (len(_differs(r, best, keys)), r["tokens_per_s_per_gpu"], r["required_bytes"]))
@@ -150,17 +195,19 @@ def recommend(rows: list[dict], keys: list[str], *, top: int = 3) -> dict:
 
 def explain(rec: dict) -> str:
     """The recommendation as text; every number with its unit."""
-    c = rec["counts"]
-    tally = (f"{c['configurations']} configurations: {c['fit']} fit, {c['do_not_fit']} do not"
-             + (f", {c['errors']} failed" if c["errors"] else ""))
+    counted = rec["tally"]
     best = rec["best"]
     if best is None:
-        return f"No configuration fits.\nWhy          {rec['reason']}\n{tally}"
+        return f"No configuration fits.\nWhy          {rec['reason']}\n{counted}"
+    mine, change = rec.get("as_written"), rec.get("change")
     lines = [
-        "Recommended  " + _setting({k: best.get(k) for k in rec["keys"]}),
+        "Recommended  " + ("the scenario as written: " if best is mine else "")
+        + _setting({k: best.get(k) for k in rec["keys"]}),
         f"  {best['tokens_per_s_per_gpu']:.0f} tokens/s per GPU, step {fmt_time(best['step_time_s'])}, "
         f"MFU {100 * best['mfu']:.1f} %, required {fmt_bytes(best['required_bytes'])} of "
         f"{fmt_bytes(_budget(best))} (headroom {fmt_bytes(best['headroom_bytes'])})",
+        *([f"Changed      from the scenario as written ({fit_word(mine)}: {mine['tokens_per_s_per_gpu']:.0f} tokens/s "
+           f"per GPU, required {fmt_bytes(mine['required_bytes'])}), it buys {_trade_line(change)}"] if change else []),
         f"Why          {rec['reason']}",
     ]
     if _retries(best):
@@ -172,5 +219,5 @@ def explain(rec: dict) -> str:
         lines.append("Runners-up")
     for r in rec["runners_up"]:
         lines.append(f"  {_trade_line(r)}")
-    lines.append(tally)
+    lines.append(counted)
     return "\n".join(lines)

@@ -131,7 +131,8 @@ def largest_fitting(fits: Callable[[int], bool], limit: int = MAX_BATCH_LIMIT) -
 
 def run_max_batch(data: dict, base: Path, limit: int = MAX_BATCH_LIMIT) -> dict:
     """The row at the largest micro-batch that fits (found by `largest_fitting`), with that micro-batch
-    under MICRO_BATCH; the micro-batch 1 row when even that does not fit."""
+    under MICRO_BATCH; when even micro-batch 1 does not fit, None there (no micro-batch fits) beside
+    micro-batch 1's figures, which say how far over it is."""
     rows: dict[int, dict] = {}
 
     def fits(batch: int) -> bool:
@@ -146,7 +147,7 @@ def run_max_batch(data: dict, base: Path, limit: int = MAX_BATCH_LIMIT) -> dict:
         best = largest_fitting(fits, limit)
     except ScenarioError as exc:
         return {MICRO_BATCH: 1, "error": str(exc)}
-    return {MICRO_BATCH: max(best, 1)} | rows[max(best, 1)]
+    return {MICRO_BATCH: best or None} | rows[max(best, 1)]
 
 
 def _bar(total: int, enabled: bool, initial: int = 0):

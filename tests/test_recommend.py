@@ -52,7 +52,8 @@ def test_toy_grid_winner_is_the_fastest_fitting_row(tmp_path, capsys):
     assert rec["limit"] == "memory" and rec["reason"].startswith("memory: the next faster (training.micro_batch=8)")
     nxt = rec["next_faster"]
     assert not nxt["within_budget"] and nxt["tokens_per_s_per_gpu"] > best["tokens_per_s_per_gpu"]
-    assert rec["counts"] == {"configurations": 8, "fit": 7, "do_not_fit": 1, "errors": 0}
+    assert rec["counts"] == {"configurations": 8, "fits": 7, "margin": 1, "no": 0, "errors": 0}  # 8 runs, past the budget
+    assert "8 configurations: 7 fit, 1 only inside the safety margin, 0 do not" in text
     assert [(r["row"]["training.micro_batch"], r["row"]["training.activation_checkpointing"])
             for r in rec["runners_up"]] == [(2, "none"), (1, "none"), (8, "full")]
     assert all(r["tokens_per_s_change"] < 0 for r in rec["runners_up"])
@@ -79,7 +80,11 @@ def test_next_faster_is_the_nearest_setting_and_runners_up_skip_equal_figures():
     assert rec["best"] == rows[0] and rec["next_faster"] == rows[5]  # one setting away, not the least faster
     assert [r["row"] for r in rec["runners_up"]] == [rows[2]]
     assert rec["runners_up"][0]["differs"] == {"a": 2} and rec["runners_up"][0]["required_change_bytes"] == -20
-    assert rec["counts"] == {"configurations": 7, "fit": 3, "do_not_fit": 3, "errors": 1}
+    assert rec["counts"] == {"configurations": 7, "fits": 3, "margin": 0, "no": 3, "errors": 1}
+    rows[3]["fits"] = True  # runs, but inside the safety margin (not within the budget)
+    assert recommend(rows, keys)["counts"] | {"configurations": 7} == {"configurations": 7, "fits": 3, "margin": 1,
+                                                                        "no": 2, "errors": 1}
+    assert "7 configurations: 3 fit, 1 only inside the safety margin, 2 do not, 1 failed" in explain(recommend(rows, keys))
     assert "b=3" in rec["reason"] and "1 failed" in explain(rec)
 
 
@@ -178,3 +183,55 @@ def test_max_batch_refuses_a_micro_batch_axis(tmp_path, capsys):
     assert main(["recommend", scenario, "--grid", grid, "--max-batch", "-q"]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "--max-batch" in err
+
+
+def test_every_default_axis_offers_the_scenario_as_written(tmp_path):
+    """A scenario whose wrap, prefetch, strategy, checkpointing, allocator and micro-batch are none of the
+    defaults' still has its own row among the points, which `written_values` names."""
+    from fsdp_sim.recommend import written_values
+    from fsdp_sim.sweep import points
+
+    base = TOY | {"fsdp": {"wrap": "size_based", "min_params": 2_000_000, "backward_prefetch": 2,
+                           "reshard_after_forward": 1},
+                  "training": {"seq_len": 512, "micro_batch": 3, "activation_checkpointing": "selective_op"},
+                  "allocator": {"expandable_segments": True}}
+    axes = default_axes(base, tmp_path)
+    written = written_values(base, tmp_path, axes)
+    assert written["fsdp.wrap"] == "size_based" and written["fsdp.min_params"] == 2_000_000
+    assert written["fsdp.backward_prefetch"] == 2 and written["training.micro_batch"] == 3
+    assert written["training.activation_checkpointing"] == "selective_op"
+    assert written["fsdp.reshard_after_forward"] is False  # 1 is false, as parse_scenario reads it
+    chosen = [c for c, _ in points(base, axes)]
+    flat = [{k: c.get(k) for k in written} for c in chosen]
+    assert flat.count(written) == 1
+
+
+def test_recommend_says_what_the_winner_changes_from_the_scenario_as_written(tmp_path, capsys):
+    scenario = TOY | {"training": {"seq_len": 4096, "micro_batch": 8}}  # as written: does not fit the budget
+    path, _ = _files(tmp_path, scenario=scenario)
+    out = tmp_path / "rec.json"
+    assert main(["recommend", path, "--jobs", "1", "--json", str(out), "--top", "0"]) == 0
+    text = capsys.readouterr().out
+    rec = json.loads(out.read_text())
+    mine = rec["as_written"]
+    assert mine["training.micro_batch"] == 8 and mine["fsdp.wrap"] == "per_block" and not mine["within_budget"]
+    assert rec["change"]["differs"] and rec["change"]["row"] == rec["best"]
+    assert "Changed      from the scenario as written (no" in text or "Changed      from the scenario as written (margin" in text
+    # a scenario that is itself the best is named so
+    rows = [_row(10, 10, k=1), _row(5, 5, k=2)]
+    rec = recommend(rows, ["k"], written={"k": 1})
+    assert rec["as_written"] is rows[0] and rec["change"] is None
+    assert explain(rec).startswith("Recommended  the scenario as written: k=1")
+
+
+def test_max_batch_says_none_fits_and_how_far_micro_batch_1_is_over(tmp_path, capsys):
+    """Nothing fits the budget: the row's micro-batch is None (not 1), with micro-batch 1's figures, and the
+    table is followed by how far micro-batch 1 is over."""
+    scenario = TOY | {"report": {"safety_margin": 0.99}}  # a 0.24 GiB budget: not even one sequence
+    path, _ = _files(tmp_path, scenario=scenario)
+    keys, rows = sweep(path, ["training.activation_checkpointing=none,full"], max_batch=True, jobs=1)
+    assert [r["training.micro_batch"] for r in rows] == [None, None]
+    assert all(r["headroom_bytes"] < 0 and not r["within_budget"] for r in rows)
+    assert main(["sweep", path, "--set", "training.activation_checkpointing=none,full", "--max-batch", "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "training.activation_checkpointing=none: no micro-batch fits the" in out and "micro-batch 1 needs" in out

@@ -17,7 +17,7 @@ from html import escape
 
 from fsdp_sim.results import svg
 from fsdp_sim.results.analysis import StepResult
-from fsdp_sim.results.report import fmt_bytes, fmt_time, summary
+from fsdp_sim.results.report import fit_word, fmt_bytes, fmt_time, summary, tally
 
 STYLE = """
 body{font-family:sans-serif;margin:1.5em auto;max-width:1100px;color:#222}
@@ -155,12 +155,10 @@ def sweep_report(title: str, keys: list[str], rows: list[dict], color_by: list[s
             (fmt_time(row["step_time_s"]), row["step_time_s"]), (f"{100 * row['mfu']:.1f} %", row["mfu"]),
             (fmt_bytes(row["peak_allocated_bytes"]), row["peak_allocated_bytes"]),
             (fmt_bytes(row["required_bytes"]), row["required_bytes"]),
-            (fmt_bytes(row["headroom_bytes"]), row["headroom_bytes"]), "yes" if row["fits"] else "no",
+            (fmt_bytes(row["headroom_bytes"]), row["headroom_bytes"]), fit_word(row),
             (fmt_time(row["communication_exposed_s"]), row["communication_exposed_s"]), ""])
         classes.append("best" if row is best else ("" if row["fits"] else "nofit"))
-    ok = sum(not r.get("error") for r in rows)
-    fits = sum(bool(r.get("fits")) for r in rows if not r.get("error"))
-    sections = [f"<p>{len(rows)} configurations: {fits} fit, {ok - fits} do not, {len(rows) - ok} failed.</p>"]
+    sections = [f"<p>{escape(tally(rows))}.</p>"]
     if text:
         sections.append(f"<h2>Recommendation</h2><pre>{escape(text)}</pre>")
     sections += ["<h2>Pareto front</h2><p>Tokens/s per GPU against required memory; hover a point for its "

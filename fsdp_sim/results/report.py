@@ -18,6 +18,22 @@ def fmt_time(s: float) -> str:
     return f"{s * 1e3:.2f} ms" if s < 10 else f"{s:.2f} s"
 
 
+def fit_word(row: dict) -> str:
+    """One verdict word per configuration, the same in every output: fits (within the budget), margin (runs,
+    but inside the safety margin), no (does not fit)."""
+    return "fits" if row["within_budget"] else "margin" if row["fits"] else "no"
+
+
+def tally(rows: list[dict]) -> str:
+    """How many configurations fit, run only inside the margin, do not fit and failed, in fit_word's words."""
+    ok = [r for r in rows if not r.get("error")]
+    words = [fit_word(r) for r in ok]
+    counts = [f"{words.count('fits')} fit", *([f"{words.count('margin')} only inside the safety margin"]
+                                               if "margin" in words else []), f"{words.count('no')} do not"]
+    failed = len(rows) - len(ok)
+    return f"{len(rows)} configurations: {', '.join(counts)}" + (f", {failed} failed" if failed else "")
+
+
 def verdict(mem: dict) -> str:
     """FITS (within the budget), FITS INSIDE THE MARGIN (runs without an out-of-memory error, but eats into the
     safety margin the budget keeps), DOES NOT FIT (required is past the GPU's capacity)."""
