@@ -1,7 +1,7 @@
-"""`fsdp-sim run SCENARIO [--json F] [--trace F] [--timeline-csv F] [--memory-snapshot F] [--plot F] [--html F]
-[--require-fit]`;
+"""`fsdp-sim run SCENARIO [--set KEY=VALUE ...] [--json F] [--trace F] [--timeline-csv F] [--memory-snapshot F]
+[--plot F] [--html F] [--require-fit]`;
 `fsdp-sim sweep SCENARIO [--grid GRID] [--set KEY=V1,V2 ...] [-o rows.csv|.json|.jsonl [--resume]] [--plot F]`;
-`fsdp-sim recommend SCENARIO [--grid GRID] [--max-batch] [--json F] [--plot F]`
+`fsdp-sim recommend SCENARIO [--grid GRID] [--max-batch] [--json F] [--save F.yaml] [--plot F]`
 (both `[--html F] [--executor local|dask|dask-local] [--scheduler ADDRESS]`);
 `fsdp-sim trace package.module:factory --batch B --seq S -o workload.yaml`; `fsdp-sim --version`.
 
@@ -48,7 +48,16 @@ def _run(args: argparse.Namespace) -> int:
     from fsdp_sim.scenario import load_scenario
     from fsdp_sim.simulate import simulate
 
-    scenario = load_scenario(args.scenario)
+    if args.set:  # a what-if without a new file: the sweep's syntax, one value per key
+        from fsdp_sim.datafile import read_data
+        from fsdp_sim.scenario import parse_scenario
+        from fsdp_sim.sweep import with_assignments
+
+        path = Path(args.scenario)
+        scenario = parse_scenario(with_assignments(read_data(path, "scenario"), args.set), name=path.stem,
+                                  base=path.parent)
+    else:
+        scenario = load_scenario(args.scenario)
     if args.safety_margin is not None:
         if not 0 <= args.safety_margin < 1:
             raise ScenarioError(f"--safety-margin: {args.safety_margin} must be in [0, 1)")
@@ -261,6 +270,14 @@ def _recommend_rows(args: argparse.Namespace) -> int:
     rec = recommend(rows, keys, top=args.top, written=written)
     if args.json:
         _write(args.json, _json(rec | {"rows": rows}, indent=1) + "\n")
+    if args.save and rec["best"] is not None:  # the winner as a complete scenario, which `run` reproduces
+        import yaml
+
+        from fsdp_sim.sweep import point_data
+
+        data = point_data(args.scenario, args.set, keys, rec["best"], grid=args.grid, axes=axes)
+        _write(args.save, f"# fsdp-sim recommend {args.scenario}: the recommended configuration\n"
+               + yaml.safe_dump(data, sort_keys=False))
     if args.plot and any(not r["error"] for r in rows):
         _pareto(args, color_by, rows, rec["best"])
     if args.html:
@@ -332,6 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "memory timeline, streams, breakdown")
     run.add_argument("--safety-margin", type=float, metavar="FRACTION", help="memory kept free (default: scenario, 0.10)")
     run.add_argument("--require-fit", action="store_true", help="exit 1 when the step does not fit (for CI)")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="change one scenario key for this run (repeatable), e.g. training.micro_batch=4")
     run.add_argument("-q", "--quiet", action="store_true", help="print nothing; write only the files asked for")
     run.set_defaults(func=_run)
     sweep = sub.add_parser("sweep", help="simulate every combination of a few scenario keys, in parallel",
@@ -354,6 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     _search_options(rec)
     rec.add_argument("--top", type=int, default=3, metavar="N", help="runners-up to show (default 3)")
     rec.add_argument("--json", metavar="FILE", help="write the recommendation and every row as JSON")
+    rec.add_argument("--save", metavar="FILE.yaml", help="write the recommended configuration as a complete "
+                                                         "scenario, which `fsdp-sim run` reproduces")
     rec.add_argument("-q", "--quiet", action="store_true", help="print nothing")
     rec.set_defaults(func=_recommend)
     trace = sub.add_parser("trace", help="trace a PyTorch model (fake tensors, CPU) into a workload file",

@@ -212,6 +212,30 @@ def dispatch_order(datas: list[dict]) -> list[int]:
     return sorted(range(len(datas)), key=key)
 
 
+def with_assignments(base: dict, assignments: Iterable[str]) -> dict:
+    """`base` with each `--set KEY=VALUE` applied (`run`'s what-if: one value per key, else a sweep's job)."""
+    data = copy.deepcopy(base)
+    for text in assignments:
+        key, values = parse_assignment(text)
+        if len(values) != 1:
+            raise ScenarioError(f"--set {key}: run takes one value; sweep several with fsdp-sim sweep")
+        _assign(data, key, values[0])
+    return data
+
+
+def point_data(path: str, assignments: Iterable[str], keys: list[str], row: dict, *, grid: str | None = None,
+               axes: list[Axis] | None = None) -> dict:
+    """The complete scenario of the sweep point `row` (the one whose swept values it holds), with its
+    micro-batch where --max-batch searched it: what `recommend --save` writes, and `run` reproduces."""
+    base = read_data(path, "scenario")
+    for chosen, data in points(base, search_axes(grid, axes, assignments)):
+        if all(chosen.get(k) == row.get(k) for k in keys if k != MICRO_BATCH or k in chosen):
+            if row.get(MICRO_BATCH) is not None:
+                _assign(data, MICRO_BATCH, row[MICRO_BATCH])
+            return data
+    raise ScenarioError("recommend --save: the recommended row is not among the sweep's points")
+
+
 def search_axes(grid: str | None, axes: list[Axis] | None, assignments: Iterable[str]) -> list[Axis]:
     """The axes of a sweep: the grid file's (or `axes`), with each `--set` replacing its key's axes."""
     return combine(load_grid(grid) if grid else list(axes or []), list(assignments))

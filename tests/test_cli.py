@@ -198,9 +198,9 @@ def test_cli_surface_is_frozen():
               "--set", "-h", "--help", "-q"]
     assert surface == {
         "run": sorted(["--html", "--json", "--memory-snapshot", "--plot", "--quiet", "--require-fit", "--safety-margin",
-                       "--timeline-csv", "--trace", "-h", "--help", "-q"]),
+                       "--set", "--timeline-csv", "--trace", "-h", "--help", "-q"]),
         "sweep": sorted([*search, "--output", "-o", "--resume"]),
-        "recommend": sorted([*search, "--json", "--top"]),
+        "recommend": sorted([*search, "--json", "--save", "--top"]),
         "trace": sorted(["--batch", "--block-type", "--dtype", "--input-shape", "--name", "--output", "--quiet", "--seq",
                          "-h", "--help", "-o", "-q"]),
     }

@@ -235,3 +235,33 @@ def test_max_batch_says_none_fits_and_how_far_micro_batch_1_is_over(tmp_path, ca
     assert main(["sweep", path, "--set", "training.activation_checkpointing=none,full", "--max-batch", "--jobs", "1"]) == 0
     out = capsys.readouterr().out
     assert "training.activation_checkpointing=none: no micro-batch fits the" in out and "micro-batch 1 needs" in out
+
+
+def test_run_set_is_a_what_if_without_a_new_file(tmp_path, capsys):
+    """`run --set KEY=VALUE` (the sweep's syntax, one value a key) gives what a file with that value gives."""
+    path, _ = _files(tmp_path)
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(yaml.safe_dump(TOY | {"training": {"seq_len": 4096, "micro_batch": 2,
+                                                         "activation_checkpointing": "full"}}))
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert main(["run", path, "--set", "training.micro_batch=2", "--set", "training.activation_checkpointing=full",
+                 "--json", str(a), "-q"]) == 0
+    assert main(["run", str(edited), "--json", str(b), "-q"]) == 0
+    one, two = json.loads(a.read_text()), json.loads(b.read_text())
+    assert one | {"scenario": ""} == two | {"scenario": ""}
+    assert main(["run", path, "--set", "training.micro_batch=1,2"]) == 2
+    assert "run takes one value" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("grid", [False, True])
+def test_recommend_save_writes_the_winner_which_run_reproduces(tmp_path, grid):
+    path, grid_file = _files(tmp_path)
+    rec_json, saved, ran = tmp_path / "rec.json", tmp_path / "best.yaml", tmp_path / "run.json"
+    args = ["recommend", path, "--jobs", "1", "--json", str(rec_json), "--save", str(saved), "-q"]
+    assert main(args + (["--grid", grid_file] if grid else ["--set", "training.micro_batch=1,2,4"])) == 0
+    best = json.loads(rec_json.read_text())["best"]
+    assert main(["run", str(saved), "--json", str(ran), "-q"]) == 0
+    result = json.loads(ran.read_text())
+    assert result["step_time_s"] == best["step_time_s"]
+    assert result["memory"]["required_bytes"] == best["required_bytes"]
+    assert result["throughput"]["tokens_per_s_per_gpu"] == best["tokens_per_s_per_gpu"]
