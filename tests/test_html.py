@@ -34,8 +34,10 @@ def _self_contained(text: str) -> None:
 
 
 def _load(path) -> tuple[dict, str]:
-    """The page's <body> attributes after its script ran, and the browser's console lines."""
+    """The page's <body> attributes after its script ran in a 1400 px wide window, and the browser's console
+    lines."""
     p = subprocess.run([BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
+                        "--window-size=1400,1000",
                         "--host-resolver-rules=MAP * ~NOTFOUND", "--virtual-time-budget=5000", "--dump-dom",
                         f"file://{path}"], capture_output=True, text=True, timeout=120)
     body = re.search(r"<body([^>]*)>", p.stdout)
@@ -75,6 +77,7 @@ def test_run_report_in_a_browser(tmp_path):
     assert console == "" and "data-errors" not in attrs and attrs.get("data-ready") == "1"
     figures = json.loads(attrs["data-figures"])
     assert set(figures) == {"timeline", "gantt"}
+    assert attrs["data-wide"] == "0"  # the summary wraps at 1400 px instead of scrolling sideways
     for width, height, elements in figures.values():
         assert width > 500 and height > 50 and elements > 10  # drawn, not empty
 
@@ -97,3 +100,28 @@ def test_a_script_error_would_be_seen(tmp_path):
     page.write_text("<!DOCTYPE html><html><body><script>undefined_function();</script></body></html>")
     _, console = _load(page)
     assert "undefined_function" in console
+
+
+def test_the_png_and_the_html_colour_a_key_alike_and_zoom_the_memory_axis(tmp_path):
+    """One key, one colour (tab10 in both); the memory axis zooms to the points and turns logarithmic past 8x."""
+    from fsdp_sim.results import svg
+    from fsdp_sim.results.pareto import SERIES_COLOURS, memory_axis
+
+    rows = [{"k": k, "required_bytes": int(gib * 2**30), "headroom_bytes": int((70 - gib) * 2**30), "fits": gib < 80,
+             "within_budget": gib < 70, "tokens_per_s_per_gpu": tps, "error": ""}
+            for k, gib, tps in (("a", 30, 100), ("b", 40, 120), ("a", 600, 130))]
+    page = svg.pareto(rows, ["k"])
+    assert f"background:{SERIES_COLOURS[0]}" in page and f"background:{SERIES_COLOURS[1]}" in page
+    assert "log scale" in page
+    lo, hi, log = memory_axis([30, 40, 600], 70)
+    assert log and 25 < lo < 30 and 600 < hi < 700
+    lo, hi, log = memory_axis([30, 40, 50], 70)
+    assert not log and 25 < lo < 30 and 70 < hi < 75  # zoomed, not from 0
+    pytest.importorskip("matplotlib")
+    from matplotlib.colors import to_hex
+
+    from fsdp_sim.results.plot import pareto_figure
+    fig = pareto_figure(rows, "k")
+    faces = {to_hex(c.get_edgecolor()[0]) for c in fig.axes[0].collections if len(c.get_offsets())}
+    assert {SERIES_COLOURS[0], SERIES_COLOURS[1]} <= faces
+    assert fig.axes[0].get_xscale() == "log"

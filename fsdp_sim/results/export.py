@@ -18,7 +18,7 @@ TRACE_STREAMS = ("compute", "all_gather_copy_in", "all_gather", "reduce_scatter"
 def chrome_trace(result: StepResult, rank: int = 0) -> dict:
     """Trace Event Format (microseconds): a process per rank, a thread per stream plus the CPU issue thread
     (each op's launch cost, ending when the op is issued), memory counters (per category, allocated, and
-    reserved as the ledger models it). A slice's args give the op's time alone (`alone_us`): a slice
+    reserved as the ledger models it; `otherData.memory_counters` says how they are ordered and stamped). A slice's args give the op's time alone (`alone_us`): a slice
     longer than that was slowed by what ran beside it."""
     pid = rank
     events: list[dict] = [{"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"rank {rank} (simulated)"}}]
@@ -60,7 +60,15 @@ def chrome_trace(result: StepResult, rank: int = 0) -> dict:
         events.append({"ph": "C", "pid": pid, "name": "memory reserved (bytes)", "ts": float(t) * 1e6,
                        "args": {"bytes": int(held)}})
         previous = row
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"tool": "fsdp-sim", "scenario": result.scenario.name}}
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"tool": "fsdp-sim", "scenario": result.scenario.name, "memory_counters": MEMORY_COUNTERS}}
+
+
+# how a reader must take the memory counters (also in docs/outputs.md)
+MEMORY_COUNTERS = ("levels in CPU issue order, as torch.cuda.max_memory_allocated counts them: an allocation "
+                   "counts when the CPU issues it, not when its stream runs; each is stamped when its stream reaches "
+                   "it and never before the one before it, so a side-stream buffer (an all-gather output) can "
+                   "appear after the kernel that fills it has started")
 
 
 def reserved_timeline(result: StepResult) -> np.ndarray:

@@ -21,7 +21,7 @@ from fsdp_sim.results.report import fit_word, fmt_bytes, fmt_time, summary, tall
 
 STYLE = """
 body{font-family:sans-serif;margin:1.5em auto;max-width:1100px;color:#222}
-pre{background:#f6f6f6;padding:.8em;overflow-x:auto;font-size:12px}
+pre{background:#f6f6f6;padding:.8em;font-size:12px;white-space:pre-wrap;overflow-wrap:anywhere}
 table{border-collapse:collapse;font-size:12px;margin:.5em 0}
 th,td{border:1px solid #ddd;padding:3px 8px;text-align:right}
 th{background:#eee;cursor:pointer;user-select:none}
@@ -78,6 +78,8 @@ SCRIPT = """
   document.querySelectorAll('svg.figure').forEach(f=>{const b=f.getBBox(); sizes[f.id]=[Math.round(b.width),
     Math.round(b.height), f.querySelectorAll('*').length];});
   document.body.dataset.figures=JSON.stringify(sizes);
+  document.body.dataset.wide=String(Array.from(document.querySelectorAll('pre,h1,p'))
+    .filter(e=>e.scrollWidth>e.clientWidth+1).length);  // text that would scroll sideways
   document.body.dataset.ready='1';
 })();
 """

@@ -11,7 +11,7 @@ import numpy as np
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.results.analysis import StepResult
 from fsdp_sim.results.export import TRACE_STREAMS
-from fsdp_sim.results.pareto import pareto_front
+from fsdp_sim.results.pareto import colour_label, memory_axis, pareto_front, series
 from fsdp_sim.results.report import verdict
 from fsdp_sim.schedule.ops import CATEGORIES
 
@@ -133,12 +133,10 @@ def pareto_figure(rows: list[dict], color_by: str | list[str], *, y: str = "toke
     by = [color_by] if isinstance(color_by, str) else list(color_by)
 
     def label(row: dict) -> str:
-        return ", ".join(f"{k.rsplit('.', 1)[-1]}={row.get(k)}" for k in by if row.get(k) is not None) or "-"
+        return colour_label(row, by)
 
-    values = list(dict.fromkeys(label(r) for r in ok))
-    cmap = plt.get_cmap("tab10" if len(values) <= 10 else "viridis")
-    colour = {v: cmap(i if len(values) <= 10 else i / max(1, len(values) - 1)) for i, v in enumerate(values)}
-    for v in values:
+    colour = series([label(r) for r in ok])  # the HTML report's colours for the same keys (results/pareto.py)
+    for v in colour:
         group = [r for r in ok if label(r) == v]
         for fits in (True, False):
             pts = [r for r in group if r["fits"] == fits]
@@ -156,9 +154,11 @@ def pareto_figure(rows: list[dict], color_by: str | list[str], *, y: str = "toke
     if best is not None:
         ax.scatter([best["required_bytes"] / GiB], [best[y] * scale], marker="*", s=260, color="gold",
                    edgecolors="black", zorder=5, label="recommended")
-    required = [r["required_bytes"] for r in ok]
-    if min(required) > 0 and max(required) > 8 * min(required):
+    one_budget = max(budgets) - min(budgets) < 1 << 20
+    x0, x1, xlog = memory_axis([r["required_bytes"] / GiB for r in ok], budgets[0] / GiB if one_budget else None)
+    if xlog:
         ax.set_xscale("log")  # a few configurations far past the GPU would squeeze the ones that fit
+    ax.set_xlim(x0, x1)
     ax.set_xlabel("required memory per GPU (GiB)")
     ax.set_ylabel("tokens/s per GPU" if up else "step time (ms)")
     ax.set_title(title or f"{len(ok)} configurations (hollow: does not fit)")

@@ -15,7 +15,7 @@ import numpy as np
 
 from fsdp_sim.results.analysis import StepResult
 from fsdp_sim.results.export import TRACE_STREAMS, reserved_timeline
-from fsdp_sim.results.pareto import pareto_front
+from fsdp_sim.results.pareto import colour_label, memory_axis, pareto_front, series
 from fsdp_sim.results.plot import envelope_rows, phase_spans
 from fsdp_sim.results.report import COLUMNS, fmt_bytes, fmt_time
 from fsdp_sim.schedule.ops import CATEGORIES
@@ -32,10 +32,15 @@ def _f(x: float) -> str:
 
 
 class _Axes:
-    def __init__(self, x0: float, x1: float, y0: float, y1: float, height: int = H):
+    def __init__(self, x0: float, x1: float, y0: float, y1: float, height: int = H, xlog: bool = False):
+        self.xlog = xlog
+        if xlog:
+            x0, x1 = np.log10(x0), np.log10(x1)
         self.x0, self.x1, self.y0, self.y1, self.h = x0, x1 if x1 > x0 else x0 + 1, y0, y1 if y1 > y0 else y0 + 1, height
 
     def x(self, v: float) -> float:
+        if self.xlog:
+            v = np.log10(max(v, 1e-12))
         return LEFT + (v - self.x0) / (self.x1 - self.x0) * (W - LEFT - RIGHT)
 
     def y(self, v: float) -> float:
@@ -47,6 +52,8 @@ class _Axes:
         for i in range(ticks + 1):
             xv = self.x0 + (self.x1 - self.x0) * i / ticks
             yv = self.y0 + (self.y1 - self.y0) * i / ticks
+            if self.xlog:  # ticks evenly spaced in log10, labelled with their values
+                xv = 10 ** xv
             out.append(f'<text x="{_f(self.x(xv))}" y="{self.h - BOTTOM + 14}" text-anchor="middle">{escape(xfmt(xv))}</text>')
             out.append(f'<text x="{LEFT - 4}" y="{_f(self.y(yv) + 4)}" text-anchor="end">{escape(yfmt(yv))}</text>')
         out.append(f'<text x="{(LEFT + W - RIGHT) / 2}" y="{self.h - 4}" text-anchor="middle">{escape(xlabel)}</text>')
@@ -173,8 +180,10 @@ def pareto(rows: list[dict], color_by: list[str], best: dict | None = None) -> s
     xs = [r["required_bytes"] / GiB for r in ok]
     ys = [r["tokens_per_s_per_gpu"] for r in ok]
     budget = (ok[0]["required_bytes"] + ok[0]["headroom_bytes"]) / GiB
-    ax = _Axes(0.0, max(xs + [budget]) * 1.05, 0.0, max(ys) * 1.08)
-    body = ax.frame("required memory (GiB)", "tokens/s per GPU", lambda v: f"{v:.0f}", lambda v: f"{v:.0f}")
+    x0, x1, xlog = memory_axis(xs, budget)  # zoomed to the points, log when they span more than 8x (as the PNG)
+    ax = _Axes(x0, x1, 0.0, max(ys) * 1.08, xlog=xlog)
+    body = ax.frame("required memory (GiB)" + (", log scale" if xlog else ""), "tokens/s per GPU",
+                    lambda v: f"{v:.3g}", lambda v: f"{v:.0f}")
     bx = ax.x(budget)
     body.append(f'<line x1="{_f(bx)}" x2="{_f(bx)}" y1="{TOP}" y2="{H - BOTTOM}" stroke="#c00" stroke-dasharray="6 3"/>'
                 f'<text x="{_f(bx + 3)}" y="{TOP + 12}" fill="#c00">budget {budget:.1f} GiB</text>')
@@ -182,13 +191,9 @@ def pareto(rows: list[dict], color_by: list[str], best: dict | None = None) -> s
     if len(front) > 1:
         pts = " ".join(f"{_f(ax.x(xs[i]))},{_f(ax.y(ys[i]))}" for i in front)
         body.append(f'<polyline points="{pts}" fill="none" stroke="#666" stroke-dasharray="3 2"/>')
-    values = []
-    for r in ok:
-        v = _colour_key(r, color_by)
-        if v not in values:
-            values.append(v)
+    colours = series([colour_label(r, color_by) for r in ok])  # the PNG's colours for the same keys
     for r, x, y in zip(ok, xs, ys):
-        colour = PALETTE[values.index(_colour_key(r, color_by)) % len(PALETTE)]
+        colour = colours[colour_label(r, color_by)]
         fill = colour if r["fits"] else "none"
         what = escape(", ".join(f"{k}={v}" for k, v in r.items() if k not in _FIGURES and v is not None))
         body.append(f'<circle cx="{_f(ax.x(x))}" cy="{_f(ax.y(y))}" r="5" fill="{fill}" stroke="{colour}" stroke-width="1.5">'
@@ -199,14 +204,11 @@ def pareto(rows: list[dict], color_by: list[str], best: dict | None = None) -> s
         star = " ".join(f"{_f(x + rad * np.sin(k * np.pi / 5))},{_f(y - rad * np.cos(k * np.pi / 5))}"
                         for k, rad in zip(range(10), [11, 4.5] * 5))
         body.append(f'<polygon points="{star}" fill="#ffd700" stroke="#000"><title>recommended</title></polygon>')
-    legend = "".join(f'<span><i style="background:{PALETTE[k % len(PALETTE)]}"></i>{escape(v)}</span>'
-                     for k, v in enumerate(values))
+    legend = "".join(f'<span><i style="background:{c}"></i>{escape(v)}</span>' for v, c in colours.items())
     return _svg("pareto", body) + f'<div class="legend">{legend}<span>hollow: does not fit</span></div>'
 
 
 
-def _colour_key(row: dict, color_by: list[str]) -> str:
-    return ", ".join(f"{k}={row.get(k)}" for k in color_by if row.get(k) is not None) or "-"
 
 
 _FIGURES = frozenset(COLUMNS)  # the rest of a row is its settings
