@@ -9,6 +9,7 @@ cases, a time limit and a memory limit each) and classifies what came back:
   valid figures: strict JSON (no NaN / Infinity), every byte figure an exact int, every time finite and
   non-negative, MFU and overlap in [0, 1], headroom = budget - required, one-line row errors;
 - clean error: exit 2 and one line on stderr, `fsdp-sim: error: ...`, of at most 300 characters;
+  either may come with warnings, each one line `fsdp-sim: warning: ...` of at most 300 characters;
 - traceback, hang (past the time limit), invalid figure, multi-line error, long error (one line over
   300 characters), code ran (a YAML tag executed something), crash (killed by a signal).
 
@@ -756,6 +757,11 @@ def classify(rc: int | None, signaled: int | None, out: str, err: str, folder: P
         return "crash", f"signal {signaled}"
     if "Traceback (most recent call last)" in err or rc not in (0, 1, 2):
         return "traceback", _signature(err)
+    # a warning is one line of its own (`fsdp-sim: warning: ...`): the rest of stderr is judged without them
+    said = err.splitlines(keepends=True)
+    if any(len(line.rstrip("\n")) > MAX_ERROR for line in said if line.startswith("fsdp-sim: warning: ")):
+        return "long error", "a warning line past the limit"
+    err = "".join(line for line in said if not line.startswith("fsdp-sim: warning: "))
     if rc == 2:
         lines = err.splitlines()
         if len(lines) != 1 or err.count("\n") != 1:

@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
-from fsdp_sim.errors import ScenarioError, one_line
+from fsdp_sim.errors import ScenarioError, ScenarioWarning, one_line
 
 
 MAX_JOBS = 256
@@ -397,14 +398,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A ScenarioWarning is one line, `fsdp-sim: warning: ...`; any other warning as Python shows it."""
+    if issubclass(category, ScenarioWarning):
+        print(f"fsdp-sim: warning: {message}", file=sys.stderr)
+    else:
+        _PYTHON_SHOWWARNING(message, category, filename, lineno, file, line)
+
+
+_PYTHON_SHOWWARNING = warnings.showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except ScenarioError as exc:
-        print(f"fsdp-sim: error: {exc}", file=sys.stderr)
-        return 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("default", ScenarioWarning)  # each once per process, not once per sweep point
+        warnings.showwarning = _show_warning
+        try:
+            return args.func(args)
+        except ScenarioError as exc:
+            print(f"fsdp-sim: error: {exc}", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ walking all of it.
 from __future__ import annotations
 
 import reprlib
+import warnings
 
 MAX_MESSAGE = 280  # characters of one error line, `fsdp-sim: error: ` not included
 
@@ -54,3 +55,13 @@ class ScenarioError(ValueError):
 
     def __init__(self, message: object = "", *args: object) -> None:
         super().__init__(one_line(str(message)), *args)
+
+
+class ScenarioWarning(UserWarning):
+    """Input that runs, but that a user should hear about: a field the model does not price, a value past
+    what the model itself was made for. The CLI prints each as one line on stderr; the result stands."""
+
+
+def warn(message: str) -> None:
+    """Say `message` as a one-line ScenarioWarning (the CLI shows it as `fsdp-sim: warning: ...`)."""
+    warnings.warn(ScenarioWarning(one_line(message)), stacklevel=2)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from fsdp_sim.dtypes import itemsize
 from fsdp_sim.datafile import read_data
-from fsdp_sim.errors import ScenarioError, show
+from fsdp_sim.errors import ScenarioError, show, warn
 from fsdp_sim.workload.model import Param, Workload
 from fsdp_sim.workload.moe import MoESpec, apply_moe
 from fsdp_sim.workload.transformer import MAX_VOCAB, TransformerDims, build_transformer
@@ -242,8 +242,33 @@ def _moe_spec(c: _Config, d: TransformerDims) -> tuple[MoESpec, list[bool]]:
     return spec, sparse
 
 
+# fields that change a step's memory or time, which the decoder builder does not price: each is named in a
+# warning when the config sets it, never silently ignored (Gemma 2's relabelled as gemma, say)
+UNPRICED = {
+    "attn_logit_softcapping": "Gemma 2's attention softcapping: SDPA's flash kernels have none, so attention runs eager",
+    "final_logit_softcapping": "Gemma 2's logit softcapping: a tanh over the logits, more loss memory and time",
+}
+
+
+def _unpriced(c: _Config, seq_len: int) -> None:
+    """Warn, one line each, of what the config says that the workload does not model."""
+    for key, what in UNPRICED.items():
+        if c.data.get(key) is not None:
+            warn(f"hf_config: {key} {show(c.data[key])} is not modelled ({what}); model_type {c.model_type}")
+    window = c.data.get("sliding_window")
+    if isinstance(window, int) and not isinstance(window, bool) and 0 < window < seq_len \
+            and c.data.get("use_sliding_window", True):
+        warn(f"hf_config: sliding_window {window} < training.seq_len {seq_len}: attention is priced over the whole "
+             "sequence, not the window")
+    positions = c.data.get("max_position_embeddings")
+    if isinstance(positions, int) and not isinstance(positions, bool) and 0 < positions < seq_len:
+        warn(f"training.seq_len: {seq_len} is past the model's max_position_embeddings {positions} "
+             "(simulated as asked; the model was not trained that long)")
+
+
 def build_decoder(c: _Config, *, micro_batch: int, seq_len: int, act_dtype: str, name: str) -> Workload:
     """A causal LM: `build_transformer`, then the family's extra biases, embedding dropout and experts."""
+    _unpriced(c, seq_len)
     d, biases, emb_dropout = decoder_dims(c)
     wl = build_transformer(d, micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype, name=name)
     if c.model_type in ("mixtral", "qwen2_moe"):
