@@ -71,6 +71,7 @@ def test_dask_local_starts_and_closes_its_own_cluster(tmp_path):
     assert client.status == "closed"
 
 
+@pytest.mark.slow
 def test_cli_dask_local_with_worker_processes(tmp_path):
     """--executor dask-local as a user runs it: a LocalCluster of two worker processes, the same rows."""
     path = _scenario(tmp_path)
@@ -105,6 +106,7 @@ def _die_once(marker: str, folder: str, data: dict) -> dict:
     return run_point(data, folder)
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_chunk_is_replaced_and_the_rows_are_those_of_a_run_without_the_loss(tmp_path):
     """A dask-local cluster of two worker processes; one dies in the middle of a chunk. The scheduler runs
     that chunk again on a worker that lives (the nanny restarts the dead one), and every row arrives once,
@@ -131,6 +133,7 @@ def test_a_worker_killed_mid_chunk_is_replaced_and_the_rows_are_those_of_a_run_w
     assert rows == [_die_once(str(marker), str(tmp_path), d) for d in datas]
 
 
+@pytest.mark.slow
 def test_cli_dask_local_sweep_survives_a_killed_worker(tmp_path):
     """`fsdp-sim sweep --executor dask-local` as a user runs it; one of its two worker processes is killed
     once the first rows are in the file: the sweep ends normally, its file that of a local run."""

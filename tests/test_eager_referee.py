@@ -9,6 +9,8 @@ import pytest
 
 pytest.importorskip("torch")
 
+pytestmark = pytest.mark.slow
+
 from fsdp_sim.torch_tools.eager_referee import eager_steps, simulated  # noqa: E402
 from fsdp_sim.torch_tools.reference_model import ReferenceConfig  # noqa: E402
 

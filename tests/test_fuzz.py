@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+pytestmark = pytest.mark.slow
+
 if not hasattr(__import__("os"), "fork"):  # pragma: no cover - the runner forks
     pytest.skip("the fuzz runner needs os.fork", allow_module_level=True)
 

@@ -250,6 +250,7 @@ def _children(pid: int) -> list[int]:
             if "resource_tracker" not in " ".join(p.cmdline())]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["ctrl-c", "kill", "worker killed"])
 def test_a_stopped_sweep_keeps_its_rows_and_resume_completes_it(tmp_path, big_reference, how):
     """Ctrl-C (SIGINT to the process group, as a terminal sends it), SIGKILL of the group, or SIGKILL of one
