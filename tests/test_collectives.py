@@ -244,14 +244,17 @@ def test_profiles_describe_their_node():
     arch = {name: (p.arch, p.sm_count) for name in profile_names() for p in [load_profile(name)]}
     assert arch == {"a100-40gb": ("sm80", 108), "a100-80gb": ("sm80", 108), "h100-sxm": ("sm90", 132),
                     "h100-sxm-96gb": ("sm90", 132), "h200": ("sm90", 132), "b200": ("sm100", 148),
-                    "l40s": ("sm89", 142), "rtx-4090": ("sm89", 128), "mi300x": ("gfx942", 304)}
+                    "l40s": ("sm89", 142), "rtx-4090": ("sm89", 128), "mi300x": ("gfx942", 304),
+                    # the GPUs people fine-tune on: GA102 (sm86) and Ada (sm89) PCIe parts
+                    "rtx-3090": ("sm86", 82), "rtx-a5000": ("sm86", 64), "a10g": ("sm86", 80),
+                    "rtx-6000-ada": ("sm89", 142), "l4": ("sm89", 58)}
     nvls = {name for name, f in _FABRICS.items() if f.nvls is not None}
     assert nvls == {"h100-sxm", "h100-sxm-96gb", "h200", "b200"}  # Hopper / Blackwell NVSwitch only
     goodput = {name: f.network.node_goodput_Bps / 1e9 for name, f in _FABRICS.items()}
     assert goodput["a100-80gb"] == pytest.approx(192)  # DGX-A100 8x HDR [S20a]
     for name in ("h100-sxm", "h200", "b200", "mi300x"):
         assert 8 * 46 <= goodput[name] <= 8 * 48  # 8x NDR 400G at 46-48 GB/s each [S20c]
-    for name in ("l40s", "rtx-4090"):
+    for name in ("l40s", "rtx-4090", "rtx-3090", "rtx-a5000", "a10g", "rtx-6000-ada", "l4"):
         assert _FABRICS[name].scale_up == "pcie"
 
 
