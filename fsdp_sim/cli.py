@@ -46,25 +46,26 @@ def _write(path: str, text: str | bytes) -> None:
 def _run(args: argparse.Namespace) -> int:
     from fsdp_sim.results.export import chrome_trace, timeline_csv
     from fsdp_sim.results.report import summary
-    from fsdp_sim.scenario import load_scenario
     from fsdp_sim.simulate import simulate
+    from fsdp_sim.datafile import read_data
+    from fsdp_sim.scenario import parse_scenario
+    from fsdp_sim.sweep import with_assignments
 
-    if args.set:  # a what-if without a new file: the sweep's syntax, one value per key
-        from fsdp_sim.datafile import read_data
-        from fsdp_sim.scenario import parse_scenario
-        from fsdp_sim.sweep import with_assignments
-
-        path = Path(args.scenario)
-        scenario = parse_scenario(with_assignments(read_data(path, "scenario"), args.set), name=path.stem,
-                                  base=path.parent)
-    else:
-        scenario = load_scenario(args.scenario)
+    path = Path(args.scenario)
+    raw = with_assignments(read_data(path, "scenario"), args.set)  # --set: a what-if without a new file
+    scenario = parse_scenario(raw, name=path.stem, base=path.parent)
     if args.safety_margin is not None:
         if not 0 <= args.safety_margin < 1:
             raise ScenarioError(f"--safety-margin: {args.safety_margin} must be in [0, 1)")
         scenario = replace(scenario, safety_margin=args.safety_margin)
     result = simulate(scenario)
     data = result.to_dict()
+    if not data["memory"]["within_budget"] and not args.quiet:  # DOES NOT FIT leads somewhere (ways_out.py)
+        from fsdp_sim.ways_out import ways_out
+
+        if args.safety_margin is not None:
+            raw = raw | {"report": {**(raw.get("report") or {}), "safety_margin": args.safety_margin}}
+        data["ways_out"] = ways_out(raw, path.parent)
     if args.json:
         _write(args.json, _json(data, indent=2) + "\n")
     if args.trace:
@@ -90,6 +91,10 @@ def _run(args: argparse.Namespace) -> int:
             raise ScenarioError(f"--plot {args.plot}: {exc}") from None
     if not args.quiet:
         print(summary(data))
+        if "ways_out" in data:
+            from fsdp_sim.ways_out import ways_out_lines
+
+            print("\n".join(ways_out_lines(data["ways_out"])))
     if args.require_fit and not data["memory"]["within_budget"]:  # a CI gate keeps the safety margin
         from fsdp_sim.results.report import fmt_bytes
 
@@ -260,8 +265,8 @@ def _recommend_rows(args: argparse.Namespace) -> int:
     if args.top < 0:
         raise ScenarioError(f"--top: must be zero or more, got {args.top}")
     axes = written = None
+    base, folder = read_data(args.scenario, "scenario"), Path(args.scenario).parent
     if not args.grid:
-        base, folder = read_data(args.scenario, "scenario"), Path(args.scenario).parent
         axes = default_axes(base, folder, micro_batch=not args.max_batch)
         written = written_values(base, folder, axes)  # the scenario as written is one of the points
     color_by = _color_keys(args, axes) if args.plot or args.html else []
@@ -288,6 +293,12 @@ def _recommend_rows(args: argparse.Namespace) -> int:
     if rec["best"] is None:
         if args.quiet:
             return 1
+        from fsdp_sim.ways_out import first_fitting, ways_out  # nothing in the space fits: does a way outside it?
+
+        way = first_fitting(ways_out(base, folder)) if isinstance(base, dict) else None
+        print(f"Outside this space: the scenario with {way['way']} fits ({way['tokens_per_s_per_gpu']:.0f} tokens/s "
+              f"per GPU); `fsdp-sim run {args.scenario}` lists every way out" if way else
+              "Outside this space: neither checkpointing, CPU offload, LoRA, QLoRA nor more nodes fits either")
         print(f"fsdp-sim: no configuration fits ({rec['limit']})", file=sys.stderr)
         return 1
     return 0

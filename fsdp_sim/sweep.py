@@ -39,7 +39,7 @@ MICRO_BATCH = "training.micro_batch"
 MAX_BATCH_LIMIT = 4096
 
 
-def _assign(data: dict, key: str, value: Any) -> None:
+def assign(data: dict, key: str, value: Any) -> None:
     *parents, leaf = key.split(".")
     node = data
     for part in parents:
@@ -65,7 +65,7 @@ def points(base: dict, axes: Iterable[Axis | tuple[str, list]]) -> list[tuple[di
         data = copy.deepcopy(base)
         for key, value in chosen.items():
             if "." in key or key in SECTIONS:  # else a named choice's name (grid.py), for the rows only
-                _assign(data, key, value)
+                assign(data, key, value)
         out.append((chosen, data))
     return out
 
@@ -137,7 +137,7 @@ def run_max_batch(data: dict, base: Path, limit: int = MAX_BATCH_LIMIT) -> dict:
 
     def fits(batch: int) -> bool:
         trial = copy.deepcopy(data)
-        _assign(trial, MICRO_BATCH, batch)
+        assign(trial, MICRO_BATCH, batch)
         rows[batch] = row = run_point(trial, base)
         if row["error"] and batch == 1:
             raise ScenarioError(row["error"])  # wrong whatever the batch: the point's error
@@ -219,7 +219,7 @@ def with_assignments(base: dict, assignments: Iterable[str]) -> dict:
         key, values = parse_assignment(text)
         if len(values) != 1:
             raise ScenarioError(f"--set {key}: run takes one value; sweep several with fsdp-sim sweep")
-        _assign(data, key, values[0])
+        assign(data, key, values[0])
     return data
 
 
@@ -231,7 +231,7 @@ def point_data(path: str, assignments: Iterable[str], keys: list[str], row: dict
     for chosen, data in points(base, search_axes(grid, axes, assignments)):
         if all(chosen.get(k) == row.get(k) for k in keys if k != MICRO_BATCH or k in chosen):
             if row.get(MICRO_BATCH) is not None:
-                _assign(data, MICRO_BATCH, row[MICRO_BATCH])
+                assign(data, MICRO_BATCH, row[MICRO_BATCH])
             return data
     raise ScenarioError("recommend --save: the recommended row is not among the sweep's points")
 
