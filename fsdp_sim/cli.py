@@ -266,8 +266,11 @@ def _recommend_rows(args: argparse.Namespace) -> int:
         raise ScenarioError(f"--top: must be zero or more, got {args.top}")
     axes = written = None
     base, folder = read_data(args.scenario, "scenario"), Path(args.scenario).parent
+    if args.global_batch is not None and (args.grid or args.max_batch or args.global_batch < 1):
+        raise ScenarioError("--global-batch: a positive number of sequences per step, with the default space "
+                            "(not with --grid or --max-batch)")
     if not args.grid:
-        axes = default_axes(base, folder, micro_batch=not args.max_batch)
+        axes = default_axes(base, folder, micro_batch=not args.max_batch, global_batch=args.global_batch)
         written = written_values(base, folder, axes)  # the scenario as written is one of the points
     color_by = _color_keys(args, axes) if args.plot or args.html else []
     keys, rows = sweep(args.scenario, args.set, grid=args.grid, axes=axes, jobs=args.jobs,
@@ -385,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     _search_options(rec)
     rec.add_argument("--top", type=int, default=3, metavar="N", help="runners-up to show (default 3)")
     rec.add_argument("--json", metavar="FILE", help="write the recommendation and every row as JSON")
+    rec.add_argument("--global-batch", type=int, metavar="N",
+                     help="keep N sequences per optimizer step: trade micro-batch for gradient accumulation and "
+                          "node count (x1/8 to x8), never the hyperparameters")
     rec.add_argument("--save", metavar="FILE.yaml", help="write the recommended configuration as a complete "
                                                          "scenario, which `fsdp-sim run` reproduces")
     rec.add_argument("-q", "--quiet", action="store_true", help="print nothing")

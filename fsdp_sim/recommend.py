@@ -12,19 +12,22 @@ from typing import Any
 
 from fsdp_sim.grid import Axis
 from fsdp_sim.results.report import fit_word, fmt_bytes, fmt_time, tally
-from fsdp_sim.scenario import parse_scenario
+from fsdp_sim.errors import ScenarioError
+from fsdp_sim.scenario import MAX_GRAD_ACCUMULATION, MAX_NODES, STRATEGIES, parse_scenario
 
 SIGNIFICANT = 0.05  # a share of the step below which exposed communication or CPU-bound time limits nothing
 MICRO_BATCHES = (1, 2, 4, 8)
 
 
-def default_axes(base: dict, folder: Path, *, micro_batch: bool = True) -> list[Axis]:
+def default_axes(base: dict, folder: Path, *, micro_batch: bool = True, global_batch: int | None = None) -> list[Axis]:
     """The default search space for `base`: wrap granularity (per block, every 2 or 4 blocks, whole model),
     backward prefetch, sharding strategy (with reshard_after_forward as it implies, and HSDP with one
     node's GPUs per shard group when there is more than one node), activation checkpointing, the
     allocator's expandable segments (torchtitan's launcher turns them on: they change what is reserved,
     not the step's time, so they decide only where memory does) and the micro-batch (not for a traced
-    workload, whose trace fixed it)."""
+    workload, whose trace fixed it). With `global_batch` (sequences per optimizer step, which a team keeps
+    fixed: the hyperparameters stay) the micro-batch axis becomes `batch_axis`'s: micro-batch x gradient
+    accumulation x node count giving exactly that many sequences."""
     scenario = parse_scenario(base, name="recommend", base=folder)  # a bad base fails here, as one line
     cluster = scenario.cluster
     blocks = sum(m.is_block for m in scenario.workload.modules)
@@ -32,9 +35,9 @@ def default_axes(base: dict, folder: Path, *, micro_batch: bool = True) -> list[
     wrap += [{"fsdp.wrap": "every_k_blocks", "fsdp.blocks_per_unit": k} for k in (2, 4) if k < blocks]
     wrap += [{"fsdp.wrap": "whole_model"}]
     world, gpn = cluster.world_size, cluster.gpus_per_node
-    sharding = [{"fsdp.sharding_strategy": "FULL_SHARD", "fsdp.reshard_after_forward": True, "fsdp.shard_size": world},
-                {"fsdp.sharding_strategy": "SHARD_GRAD_OP", "fsdp.reshard_after_forward": False,
-                 "fsdp.shard_size": world}]
+    # the 1-D strategies shard over every rank (their default shard size), whatever the node count
+    sharding = [{"fsdp.sharding_strategy": "FULL_SHARD", "fsdp.reshard_after_forward": True},
+                {"fsdp.sharding_strategy": "SHARD_GRAD_OP", "fsdp.reshard_after_forward": False}]
     if cluster.nodes > 1:
         sharding += [{"fsdp.sharding_strategy": "HYBRID_SHARD", "fsdp.reshard_after_forward": True, "fsdp.shard_size": gpn},
                      {"fsdp.sharding_strategy": "_HYBRID_SHARD_ZERO2", "fsdp.reshard_after_forward": False,
@@ -47,9 +50,41 @@ def default_axes(base: dict, folder: Path, *, micro_batch: bool = True) -> list[
                     list(_with(own["training.activation_checkpointing"], ["none", "full"]))),
             Axis.of("allocator.expandable_segments", list(_with(own["allocator.expandable_segments"], [False, True])))]
     traced = isinstance(base.get("model"), dict) and "workload" in base["model"]
-    if micro_batch and not traced:
+    if global_batch is not None:
+        axes.append(batch_axis(base, scenario, global_batch))
+    elif micro_batch and not traced:
         axes.append(Axis.of("training.micro_batch", list(_with(own["training.micro_batch"], MICRO_BATCHES))))
     return axes
+
+
+NODE_FACTORS = (8, 4, 2, 1, 0.5, 0.25, 0.125)  # the node counts a fixed global batch is tried on: x8 to /8
+
+
+def batch_axis(base: dict, scenario, global_batch: int) -> Axis:
+    """Micro-batch x gradient accumulation x node count with exactly `global_batch` sequences per step:
+    micro_batch x grad_accumulation x data-parallel ranks (the world over the TP degree) = global_batch,
+    at 1/8 to 8 times the scenario's nodes. The scenario's own combination first when it gives that batch."""
+    cluster, s = scenario.cluster, scenario.settings
+    options = []
+    for factor in NODE_FACTORS:
+        nodes = cluster.nodes * factor
+        if nodes != int(nodes) or not 1 <= nodes <= MAX_NODES:
+            continue
+        ranks = int(nodes) * cluster.gpus_per_node // s.tp
+        for mb in sorted({*MICRO_BATCHES, (base.get("training") or {}).get("micro_batch", 1), 16, 32}):
+            if isinstance(mb, int) and global_batch % (mb * ranks) == 0 and \
+                    1 <= global_batch // (mb * ranks) <= MAX_GRAD_ACCUMULATION:
+                options.append({"hardware.nodes": int(nodes), "training.micro_batch": mb,
+                                "training.grad_accumulation": global_batch // (mb * ranks)})
+    if not options:
+        raise ScenarioError(f"--global-batch {global_batch}: no micro-batch x accumulation x node count gives "
+                            f"{global_batch} sequences per step (data-parallel ranks a multiple of "
+                            f"{cluster.gpus_per_node // s.tp} per node)")
+    own = written(base, scenario)["batch"]
+    return Axis("batch", _with(own, options) if own in options else tuple(options))
+
+
+
 
 
 def written_values(base: dict, folder: Path, axes: list[Axis]) -> dict[str, Any]:
@@ -68,12 +103,15 @@ def written(base: dict, scenario) -> dict[str, Any]:
     fsdp, training = base.get("fsdp") or {}, base.get("training") or {}
     s = scenario.settings
     wrap = {"fsdp.wrap": scenario.wrap} | {f"fsdp.{k}": fsdp[k] for k in ("blocks_per_unit", "min_params") if k in fsdp}
-    sharding = {"fsdp.sharding_strategy": scenario.sharding_strategy,
-                "fsdp.reshard_after_forward": s.reshard_after_forward, "fsdp.shard_size": s.shard_size}
+    sharding = {"fsdp.sharding_strategy": scenario.sharding_strategy, "fsdp.reshard_after_forward": s.reshard_after_forward}
+    if STRATEGIES[scenario.sharding_strategy][0] != "1d" or s.shard_size != s.shard_size * s.replicate_size:
+        sharding["fsdp.shard_size"] = s.shard_size  # not the default of a 1-D strategy (every rank)
     return {"wrap": wrap, "fsdp.backward_prefetch": fsdp.get("backward_prefetch", True), "sharding": sharding,
             "training.activation_checkpointing": training.get("activation_checkpointing", "none"),
             "allocator.expandable_segments": scenario.allocator.expandable_segments,
-            "training.micro_batch": training.get("micro_batch", 1)}
+            "training.micro_batch": training.get("micro_batch", 1),
+            "batch": {"hardware.nodes": scenario.cluster.nodes, "training.micro_batch": training.get("micro_batch", 1),
+                      "training.grad_accumulation": s.grad_accumulation}}
 
 
 def _with(own, choices) -> tuple:

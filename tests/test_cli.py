@@ -200,7 +200,7 @@ def test_cli_surface_is_frozen():
         "run": sorted(["--html", "--json", "--memory-snapshot", "--plot", "--quiet", "--require-fit", "--safety-margin",
                        "--set", "--timeline-csv", "--trace", "-h", "--help", "-q"]),
         "sweep": sorted([*search, "--output", "-o", "--resume"]),
-        "recommend": sorted([*search, "--json", "--save", "--top"]),
+        "recommend": sorted([*search, "--global-batch", "--json", "--save", "--top"]),
         "trace": sorted(["--batch", "--block-type", "--dtype", "--input-shape", "--name", "--output", "--quiet", "--seq",
                          "-h", "--help", "-o", "-q"]),
     }

@@ -265,3 +265,26 @@ def test_recommend_save_writes_the_winner_which_run_reproduces(tmp_path, grid):
     assert result["step_time_s"] == best["step_time_s"]
     assert result["memory"]["required_bytes"] == best["required_bytes"]
     assert result["throughput"]["tokens_per_s_per_gpu"] == best["tokens_per_s_per_gpu"]
+
+
+def test_a_fixed_global_batch_trades_micro_batch_for_accumulation_and_gpus(tmp_path, capsys):
+    """--global-batch N: every point runs exactly N sequences per step (micro-batch x accumulation x data-parallel
+    ranks), over node counts around the scenario's; the hyperparameters never change."""
+    from fsdp_sim.recommend import batch_axis, written_values
+    from fsdp_sim.sweep import points
+
+    base = TOY | {"training": {"seq_len": 1024, "micro_batch": 2, "grad_accumulation": 4}}  # 2 x 4 x 2 GPUs = 16
+    axes = default_axes(base, tmp_path, global_batch=16)
+    batch = axes[-1]
+    assert batch.name == "batch" and len(batch.options) > 3
+    for option in batch.options:
+        ranks = option["hardware.nodes"] * 2
+        assert option["training.micro_batch"] * option["training.grad_accumulation"] * ranks == 16
+    assert {o["hardware.nodes"] for o in batch.options} > {1}
+    written = written_values(base, tmp_path, axes)
+    assert [c for c, _ in points(base, axes) if {k: c.get(k) for k in written} == written]  # as written: a point
+    with pytest.raises(Exception, match="--global-batch 7"):
+        batch_axis(base, parse_scenario(base, base=tmp_path), 7)
+    path, grid = _files(tmp_path)
+    assert main(["recommend", path, "--grid", grid, "--global-batch", "16"]) == 2
+    assert "--global-batch" in capsys.readouterr().err
