@@ -1,0 +1,226 @@
+"""NCCL's ring laid on the cluster graph (`topology.py`): the paths its traffic takes and how much of it.
+
+What NCCL does, and so what `ring_paths` lays. A ring enters and leaves each node once ("Ring Allreduce
+requires data to go through each GPU and enter/exit the node once", nccl#687 [C30]), and NCCL runs one
+ring per channel, its channels spread over all the node's NICs ("data can flow from the NIC to the
+nearest GPU, go through all the other GPUs through NVLink, then exit from the last GPU, back to the NIC",
+nccl#412 [C30]). So on each node a ring's traffic is split evenly over the NICs it uses, one channel a
+NIC; a channel enters through its NIC at the GPU beside it, visits the group's other GPUs over the
+scale-up links and leaves through the same NIC, the last GPU handing its data over NVLink to the NIC's
+GPU (PXN [C30]), so that hop stays on the NIC's rail: on a rail-optimised fabric NIC j of one node sends
+to NIC j of the next (component-timing 6.4). Each scale-up link then carries the whole ring once per
+direction, and each NIC 1 / (its node's NICs) of it: the NIC-sum rule of `collectives.plateau_busbw_Bps`.
+
+Which NICs a group uses: those beside its GPUs that are up (a group of g of a node's G GPUs thus uses
+g / G of the NICs, as `_nic_busbw` counts); if none is up, every NIC of the node that is (PXN relays over
+the scale-up links). A NIC at 0 B/s is down and gets no channel; one that is merely slow keeps its even
+share (NCCL does not weigh channels by speed), so the ring moves at its slowest hop. Between two nodes
+the channels pair NICs of one index first (one rail); what one side cannot pair (a NIC down) is spread
+over the other side's remaining NICs in proportion, crossing the spines (ECMP: evenly over them).
+
+Inside a node: through the switch (NVSwitch, PCIe) a send is one path GPU -> switch -> GPU. On a full
+mesh (xGMI) RCCL lays several rings so each GPU's sends use its links to all the group's other GPUs: a
+send is spread evenly over them, which is what makes a ring of g GPUs reach (g - 1) / (G - 1) of the
+node's plateau [S8].
+
+A path's `share` is the fraction of the ring's per-hop traffic it carries: at bus bandwidth B a path
+moves share x B bytes/s over each of its links (nccl-tests' busbw is each ring hop's bytes per second
+[S1]). `ring_loads` sums the shares on each link, scaling those inside a node by the kind's wire cost.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import networkx as nx
+
+from fsdp_sim.hardware.collectives import ProcessGroup
+from fsdp_sim.hardware.fabric import KINDS
+from fsdp_sim.hardware.topology import HUB_KIND, SCALE_UP_EDGES, gpu_name, nic_name
+
+Edge = tuple[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class RingPath:
+    """Graph nodes a part of the ring's traffic goes through, and that part (a fraction of the whole)."""
+
+    nodes: tuple[str, ...]
+    share: float
+
+
+def ring_paths(graph: nx.DiGraph, gpus: Sequence[str]) -> tuple[RingPath, ...]:
+    """The paths of one NCCL ring over `gpus` (GPU names, rank order; a node's GPUs are visited together,
+    in the order its first one appears). A ring of one GPU has none."""
+    nodes = _by_node(graph, gpus)
+    if len(nodes) == 1:
+        k, members = nodes[0]
+        hub = _hub(graph, k)
+        return tuple(p for a, b in zip(members, members[1:] + members[:1]) if a != b
+                     for p in _send(hub, a, b, members, 1.0))
+    channels = {k: _channels(graph, k, members) for k, members in nodes}
+    paths: list[RingPath] = []
+    for k, members in nodes:
+        paths += _through_node(graph, _hub(graph, k), members, channels[k])
+    spines: dict[tuple[str, str], list[str]] = {}  # by (leaf, leaf): the spines between, found once
+    for (k, _), (nxt, _) in zip(nodes, nodes[1:] + nodes[:1]):
+        for i, j, share in _pair(channels[k], channels[nxt]):
+            a, b = nic_name(k, i), nic_name(nxt, j)
+            paths += [RingPath(path, share * part) for path, part in _route(graph, a, b, spines)]
+    return tuple(paths)
+
+
+def wire_cost(graph: nx.DiGraph, kind: str) -> float:
+    """Link time per byte of `kind` inside a node, against the best ring: R / its own plateau (>= 1). The
+    scale-up links run at the best of the profile's ring plateaus; a kind measured lower (H100 all-gather
+    350 GB/s against all-reduce's 370 [S20e, C29]) spends more link time per byte."""
+    if kind not in KINDS:
+        raise ValueError(f"collective kind {kind!r} is not one of {KINDS}")
+    return graph.graph["scale_up_Bps"] / graph.graph[f"{kind}_busbw_Bps"]
+
+
+def ring_loads(graph: nx.DiGraph, paths: Sequence[RingPath], kind: str) -> dict[Edge, float]:
+    """Each link's share of the ring's traffic: at bus bandwidth B the link carries load x B bytes/s."""
+    loads: dict[Edge, float] = defaultdict(float)
+    for path in paths:
+        for edge in zip(path.nodes, path.nodes[1:]):
+            loads[edge] += path.share
+    cost = wire_cost(graph, kind)
+    edges = graph.edges
+    return {e: load * cost if edges[e]["kind"] in SCALE_UP_EDGES else load for e, load in loads.items()}
+
+
+def alone_busbw_Bps(graph: nx.DiGraph, loads: Mapping[Edge, float]) -> float:
+    """The bus bandwidth a ring reaches with the links to itself: its tightest link's capacity / load."""
+    edges = graph.edges
+    return min((edges[e]["bandwidth_Bps"] / load for e, load in loads.items() if load > 0), default=math.inf)
+
+
+def group_layouts(graph: nx.DiGraph, group: ProcessGroup, *, node_stride: int = 1) -> list[list[str]]:
+    """Every process group of `group`'s shape, as FSDP runs them all at once (SPMD): ranks_per_node
+    consecutive GPUs on each of `nodes` nodes `node_stride` apart (1: consecutive nodes, a shard group;
+    HSDP's replicate group over shard groups of s nodes: stride s), until the cluster is covered."""
+    nodes, gpn = graph.graph["nodes"], graph.graph["gpus_per_node"]
+    per_node = group.ranks // group.nodes
+    span = group.nodes * node_stride
+    if group.ranks % group.nodes or gpn % per_node or nodes % span:
+        raise ValueError(f"{group} with node stride {node_stride} does not tile {nodes} nodes of {gpn} GPUs")
+    layouts = []
+    for start in range(0, nodes, span):
+        for offset in range(node_stride):
+            members = [start + offset + t * node_stride for t in range(group.nodes)]
+            for first in range(0, gpn, per_node):
+                layouts.append([gpu_name(k, first + i) for k in members for i in range(per_node)])
+    return layouts
+
+
+# ---- laying one ring ------------------------------------------------------------------------------
+def _by_node(graph: nx.DiGraph, gpus: Sequence[str]) -> list[tuple[int, list[str]]]:
+    by_node: dict[int, list[str]] = {}
+    for gpu in gpus:
+        data = graph.nodes.get(gpu)
+        if data is None or data.get("kind") != "gpu":
+            raise ValueError(f"{gpu!r} is not a GPU of the graph")
+        by_node.setdefault(data["node"], []).append(gpu)
+    if len(set(gpus)) != len(gpus):
+        raise ValueError("a ring visits each GPU once")
+    return list(by_node.items())
+
+
+def _hub(graph: nx.DiGraph, node: int) -> str | None:
+    hub = f"n{node}/{HUB_KIND.get(graph.graph['scale_up'], '')}"
+    return hub if hub in graph else None
+
+
+def _send(hub: str | None, a: str, b: str, members: list[str], share: float) -> list[RingPath]:
+    """GPU a's send to GPU b of the same node: through the switch; on a mesh, a ring hop is spread over
+    a's links to the group's other GPUs, a relay to or from a GPU outside the group goes direct."""
+    if hub is not None:
+        return [RingPath((a, hub, b), share)]
+    if a in members and b in members:
+        others = [m for m in members if m != a]
+        return [RingPath((a, m), share / len(others)) for m in others]
+    return [RingPath((a, b), share)]
+
+
+def _attached(graph: nx.DiGraph, nic: str) -> list[str]:
+    return [u for u in graph.predecessors(nic) if graph.nodes[u]["kind"] == "gpu"]
+
+
+def _up(graph: nx.DiGraph, nic: str) -> bool:
+    links = [*graph.out_edges(nic, data="bandwidth_Bps"), *graph.in_edges(nic, data="bandwidth_Bps")]
+    return all(bw > 0 for _, _, bw in links)
+
+
+def _channels(graph: nx.DiGraph, node: int, members: list[str]) -> dict[int, float]:
+    """NIC index -> the share of the ring's traffic entering and leaving the node through it."""
+    up = [j for j in range(graph.graph["nics_per_node"]) if _up(graph, nic_name(node, j))]
+    own = [j for j in up if set(_attached(graph, nic_name(node, j))) & set(members)]
+    use = own or up
+    if not use:
+        raise ValueError(f"node {node}: every NIC is down, the ring cannot leave it")
+    return dict.fromkeys(use, 1.0 / len(use))
+
+
+def _through_node(graph: nx.DiGraph, hub: str | None, members: list[str], channels: dict[int, float]) -> list[RingPath]:
+    """Each channel: in through its NIC at the GPU beside it, round the group's GPUs, out the same NIC."""
+    node = graph.nodes[members[0]]["node"]
+    paths: list[RingPath] = []
+    for j, share in channels.items():
+        nic = nic_name(node, j)
+        attached = _attached(graph, nic)
+        beside = [m for m in members if m in attached]
+        entry = beside[0] if beside else members[0]
+        home = entry if beside else attached[0]  # the GPU beside the NIC: a relay when not in the group
+        start = members.index(entry)
+        order = members[start:] + members[:start]
+        paths.append(RingPath((nic, home), share))
+        if home != entry:
+            paths += _send(hub, home, entry, members, share)
+        for a, b in zip(order, order[1:]):
+            paths += _send(hub, a, b, members, share)
+        last = order[-1]
+        if last in attached:
+            paths.append(RingPath((last, nic), share))
+        else:
+            paths += _send(hub, last, home, members, share)
+            paths.append(RingPath((home, nic), share))
+    return paths
+
+
+def _pair(out: dict[int, float], into: dict[int, float]) -> list[tuple[int, int, float]]:
+    """NIC index pairs from one node to the next with their shares: one rail first, the rest spread."""
+    pairs, rest_out, rest_in = [], dict(out), dict(into)
+    for j in out.keys() & into.keys():
+        w = min(out[j], into[j])
+        pairs.append((j, j, w))
+        rest_out[j] -= w
+        rest_in[j] -= w
+    total = sum(rest_out.values())
+    if total > 1e-12:
+        pairs += [(i, j, a * b / total) for i, a in rest_out.items() if a > 1e-12
+                  for j, b in rest_in.items() if b > 1e-12]
+    return sorted(pairs)
+
+
+def _leaf(graph: nx.DiGraph, nic: str) -> str:
+    return next(v for v in graph.successors(nic) if graph.nodes[v]["kind"] == "leaf")
+
+
+def _route(graph: nx.DiGraph, a: str, b: str, cache: dict) -> list[tuple[tuple[str, ...], float]]:
+    """NIC a to NIC b: under one leaf, or up to every spine that reaches b's leaf and down (ECMP)."""
+    up, down = _leaf(graph, a), _leaf(graph, b)
+    if up == down:
+        return [((a, up, b), 1.0)]
+    spines = cache.get((up, down))
+    if spines is None:
+        edges = graph.edges
+        spines = cache[up, down] = [s for s in graph.successors(up) if graph.nodes[s]["kind"] == "spine"
+                                    and graph.has_edge(s, down) and edges[up, s]["bandwidth_Bps"] > 0
+                                    and edges[s, down]["bandwidth_Bps"] > 0]
+        if not spines:
+            raise ValueError(f"no spine joins {up} and {down}")
+    return [((a, up, s, down, b), 1.0 / len(spines)) for s in spines]
