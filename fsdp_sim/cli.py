@@ -128,6 +128,27 @@ def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _topology(args: argparse.Namespace) -> int:
+    """The scenario's cluster as a graph (GPUs, scale-up switch, NICs, leaves, spines) in GraphML."""
+    import networkx as nx
+
+    from fsdp_sim.hardware.topology import build_topology, describe
+    from fsdp_sim.scenario import load_scenario
+
+    for flag, value in (("--spines", args.spines), ("--nodes-per-leaf", args.nodes_per_leaf)):
+        if value is not None and value < 1:
+            raise ScenarioError(f"{flag}: must be a positive integer, got {value}")
+    graph = build_topology(load_scenario(args.scenario).cluster, topology=args.topology, spines=args.spines,
+                           nodes_per_leaf=args.nodes_per_leaf)
+    try:
+        nx.write_graphml(graph, args.output)
+    except OSError as exc:
+        raise ScenarioError(f"cannot write {args.output}: {exc.strerror}") from None
+    if not args.quiet:
+        print(f"{args.output}: {describe(graph)}")
+    return 0
+
+
 def _progress(args: argparse.Namespace) -> bool:
     """A progress bar only for a person watching: not with -q, and only when stderr is a terminal."""
     return not args.quiet and sys.stderr.isatty()
@@ -412,6 +433,19 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("-o", "--output", required=True, metavar="FILE", help="workload file to write (.yaml or .json)")
     trace.add_argument("-q", "--quiet", action="store_true", help="print nothing")
     trace.set_defaults(func=_trace)
+    topo = sub.add_parser("topology", help="write the scenario's cluster as a graph (GraphML) for other tools",
+                          description="GPUs, each node's scale-up switch, NICs, leaf and spine switches, with "
+                                      "each link's kind, bandwidth_Bps and latency_s from the hardware profile.")
+    topo.add_argument("scenario", help="path to a scenario YAML file")
+    topo.add_argument("-o", "--output", required=True, metavar="FILE.graphml", help="GraphML file to write")
+    topo.add_argument("--topology", choices=("rail_optimized", "fat_tree"),
+                      help="NIC i of every node on rail i's leaf, or each node's NICs on its group's leaf "
+                           "(default: the profile's fabric.network.rail_optimized)")
+    topo.add_argument("--spines", type=int, metavar="N", help="spine switches (default: half the leaves)")
+    topo.add_argument("--nodes-per-leaf", type=int, metavar="N",
+                      help="nodes under one leaf (default: 32 a rail leaf; 32 NIC ports a fat-tree leaf)")
+    topo.add_argument("-q", "--quiet", action="store_true", help="print nothing")
+    topo.set_defaults(func=_topology)
     return parser
 
 

@@ -203,6 +203,8 @@ def test_cli_surface_is_frozen():
         "recommend": sorted([*search, "--global-batch", "--json", "--save", "--top"]),
         "trace": sorted(["--batch", "--block-type", "--dtype", "--input-shape", "--name", "--output", "--quiet", "--seq",
                          "-h", "--help", "-o", "-q"]),
+        "topology": sorted(["--nodes-per-leaf", "--output", "--quiet", "--spines", "--topology", "-h", "--help", "-o",
+                            "-q"]),
     }
     assert sorted(opt for a in parser._actions for opt in a.option_strings) == ["--help", "--version", "-h"]
 

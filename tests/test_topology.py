@@ -15,7 +15,9 @@ from dataclasses import replace
 
 import networkx as nx
 import pytest
+import yaml
 
+from fsdp_sim.cli import main
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.hardware.collectives import ProcessGroup, link_loads, plateau_busbw_Bps, shared_slowdown
 from fsdp_sim.hardware.link_sharing import InFlight, in_flight, share_links, spmd_busbw_Bps
@@ -225,3 +227,56 @@ def test_max_min_hands_on_what_proportional_sharing_leaves_idle():
     assert fair.utilisation == {x: pytest.approx(1.0), w: pytest.approx(1.0)}
     assert fair.bottleneck == (w, x, w, w)
 
+
+# ---- the command line -----------------------------------------------------------------------------
+def _scenario(tmp_path, hardware: dict) -> str:
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({"model": {"hidden": 64, "layers": 2, "heads": 4, "vocab": 256},
+                                    "training": {"seq_len": 32}, "hardware": hardware}))
+    return str(path)
+
+
+def test_topology_command_writes_graphml_with_kinds_bandwidths_and_latencies(tmp_path, capsys):
+    scenario = _scenario(tmp_path, {"profile": "h100-sxm", "nodes": 2})
+    out = tmp_path / "cluster.graphml"
+    assert main(["topology", scenario, "-o", str(out)]) == 0
+    assert "16 GPUs on 2 nodes" in capsys.readouterr().out
+    graph = nx.read_graphml(out)
+    assert graph.is_directed() and graph.nodes["n1/nic3"] == {"kind": "nic", "node": 1, "index": 3}
+    edge = graph.edges["n1/nic3", "leaf3"]
+    assert edge == {"kind": "nic_uplink", "bandwidth_Bps": pytest.approx(47 * GB), "latency_s": pytest.approx(14e-6)}
+    assert main(["topology", scenario, "-o", str(out), "--topology", "fat_tree", "--spines", "3", "-q"]) == 0
+    assert capsys.readouterr().out == ""
+    kinds = list(nx.get_node_attributes(nx.read_graphml(out), "kind").values())
+    assert (kinds.count("leaf"), kinds.count("spine")) == (1, 3)  # 2 nodes x 8 NICs under one 32-port leaf
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--spines", "0"], "--spines: must be a positive integer, got 0"),
+    (["--nodes-per-leaf", "-2"], "--nodes-per-leaf: must be a positive integer, got -2"),
+    (["--topology", "torus"], "argument --topology: invalid choice"),
+])
+def test_topology_command_bad_input_is_one_line_exit_2(tmp_path, capsys, args, message):
+    scenario = _scenario(tmp_path, {"profile": "h100-sxm", "nodes": 2})
+    assert _exit_code(["topology", scenario, "-o", str(tmp_path / "g.graphml"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_topology_command_bad_scenario_or_output_is_one_line_exit_2(tmp_path, capsys):
+    bad = _scenario(tmp_path, {"profile": "h100-sxm", "nodes": 0})
+    assert main(["topology", bad, "-o", str(tmp_path / "g.graphml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "hardware" in err and "nodes" in err
+    good = _scenario(tmp_path, {"profile": "h100-sxm"})
+    assert main(["topology", good, "-o", str(tmp_path / "missing" / "g.graphml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot write" in err
+
+
+def _exit_code(argv: list[str]) -> int:
+    """main's return code, or argparse's exit code for a usage error."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
