@@ -10,6 +10,7 @@ techniques the step uses are parts it is given (`techniques.py`), whose hooks it
 from __future__ import annotations
 
 from fsdp_sim.dtypes import itemsize
+from fsdp_sim.schedule.clipping import clip_grad_norm
 from fsdp_sim.schedule.offload import HostMemory
 from fsdp_sim.schedule.ops import Buffer, Op, OpGraph
 from fsdp_sim.schedule.optimizers import StepCost, step_cost
@@ -142,10 +143,14 @@ class AutogradStep:
         return cost.temp_tensors
 
     def optimizer_step(self, last_reduce: Op | None) -> None:
-        """The optimizer step on the sharded parameters, in their storage dtype (see `optimizers.py`), then
-        zero_grad(set_to_none=True)."""
+        """`clip_grad_norm_` (clipping.py, unless `max_norm` is None), the optimizer step on the sharded
+        parameters in their storage dtype (see `optimizers.py`), then zero_grad(set_to_none=True): the
+        gradients dropped, no kernel (torch.optim's default since 2.0). Its CPU time (~1 us a parameter,
+        in-situ.md 8 [est]) is not charged: the issue thread pays kernel launches only, and torchtitan
+        calls it at the top of the next step, before the blocking batch copy, while the GPU still runs."""
         g, s = self.g, self.s
         g.phase, g.unit = "optimizer", ""
+        last_reduce = clip_grad_norm(self, last_reduce)
         if self.techniques.cpu_offload:  # CPUOffloadPolicy: torch.optim steps the host shards on the CPU
             return self.techniques.cpu_offload.cpu_optimizer_step(last_reduce, self.optimizer_shards())
         cost = step_cost(s.optimizer, s.optimizer_impl, s.momentum, self.optimizer_shards(), s.storage_bytes)

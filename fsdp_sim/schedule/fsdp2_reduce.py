@@ -11,10 +11,10 @@ graph (`g`), settings (`s`), per-unit shard sizes and the gradient and reduce st
 from __future__ import annotations
 
 from fsdp_sim.schedule.autograd import COMPUTE
+from fsdp_sim.schedule.settings import REPLICATE_GROUP, SHARD_GROUP
 from fsdp_sim.wrap import Unit
 
 RS, AR = "reduce_scatter", "all_reduce"
-SHARD_GROUP, REPLICATE_GROUP = "shard", "replicate"
 
 
 class GradientReduction:

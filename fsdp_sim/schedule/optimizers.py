@@ -55,6 +55,11 @@ IMPLEMENTATIONS = ("foreach", "for_loop", "fused")
 # multi_tensor_apply: one launch covers at most depth_to_max_blocks chunks of kChunkSize elements:
 # 2240 x 65536 in CUDA >= 13 builds (320 before), torch 2.13's ATen/native/cuda/MultiTensorApply.cuh
 FOREACH_ELEMENTS_PER_LAUNCH = 2240 * 65536
+# ... and at most this many tensors, by list depth (tensor lists per op: 1 for an in-place op on one list
+# such as `_foreach_mul_` by a tensor, or a reduction such as `_foreach_norm`): DepthToMaxConfig<true>
+# (32 KB kernel arguments), pytorch/pytorch 008356ca aten/src/ATen/native/cuda/MultiTensorApply.cuh
+FOREACH_CHUNK_ELEMENTS, FOREACH_MAX_CHUNKS = 65536, 2240  # kChunkSize, depth_to_max_blocks
+FOREACH_MAX_TENSORS = (770, 448, 336, 252, 210)  # depth_to_max_tensors[depth - 1]
 # the tensors each pass reads and writes per element, from the source lines the module docstring lists
 _PASSES = {
     "adamw": (2, 3, 2, 3, 2, 2, 2, 4),
@@ -130,6 +135,27 @@ def step_cost(optimizer: str, impl: str, momentum: bool, shards: list[int], item
         return StepCost(states, sum(temps), traffic, launches, temps)
     temps = (itemsize * largest,) * 2 if adam and largest else ()
     return StepCost(states, sum(temps), traffic, len(passes) * len(shards), temps)
+
+
+def multi_tensor_apply_launches(numels, depth: int = 1) -> int:
+    """Kernels `multi_tensor_apply<depth>` launches over tensors of `numels` elements, as its loop does: a
+    block per chunk of `FOREACH_CHUNK_ELEMENTS`, a launch whenever the blocks fill or the tensors fill (at a
+    tensor's last chunk), a last one for what remains; empty tensors are skipped."""
+    max_tensors = FOREACH_MAX_TENSORS[depth - 1]
+    launches = blocks = tensors = 0
+    for n in numels:
+        if not n:
+            continue
+        tensors += 1
+        chunks = -(-n // FOREACH_CHUNK_ELEMENTS)
+        # whole launches of full blocks within this tensor, then what is left of it in the open launch
+        full, blocks = divmod(blocks + chunks, FOREACH_MAX_CHUNKS)
+        if full:
+            launches += full
+            tensors = 1 if blocks else 0  # a tensor whose chunks remain opens the next launch
+        if tensors == max_tensors:
+            launches, blocks, tensors = launches + (blocks > 0), 0, 0
+    return launches + (blocks > 0)
 
 
 def check_optimizer(optimizer: str, version: int) -> None:

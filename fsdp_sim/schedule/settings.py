@@ -56,6 +56,7 @@ class FSDPSettings:
     optimizer: str = "adamw"
     optimizer_impl: str = "foreach"  # foreach | for_loop | fused (torch.optim's foreach= / fused=)
     momentum: bool = True  # SGD only: a momentum buffer per parameter
+    max_norm: float | None = 1.0  # clip_grad_norm_ before the step (schedule/clipping.py); None: no clipping
     activation_checkpointing: bool = False
     forward_prefetch: int = 0
     backward_prefetch: int = 1
@@ -137,6 +138,10 @@ def post_forward_size(value: int, shard_size: int, key: str = "fsdp.reshard_afte
     if value == shard_size:
         return True
     return value
+
+
+# the data-parallel mesh's process groups (a replicate x shard mesh): where the runtimes' collectives run
+SHARD_GROUP, REPLICATE_GROUP = "shard", "replicate"
 
 
 def post_forward_group(size: int) -> str:
