@@ -16,12 +16,11 @@ from fsdp_sim.datafile import expect_mapping, get_key, read_data, reject_unknown
 from fsdp_sim.deepspeed_words import ZERO_STAGES
 from fsdp_sim.engine.allocator import AllocatorConfig, allocator_config
 from fsdp_sim.dtypes import DTYPE_BYTES
-from fsdp_sim.errors import ScenarioError, one_line, show, warn
+from fsdp_sim.errors import ScenarioError, one_line, show
 from fsdp_sim.hardware.fabric import NETWORK_SCALARS, Network, check_network_value
 from fsdp_sim.hardware.kernels import SDPA_BACKENDS, ComputeOptions
 from fsdp_sim.hardware.profiles import Cluster, load_profile
 from fsdp_sim.hardware.software import rms_norm_kernel
-from fsdp_sim.hardware.variation import DEFAULT_SPREAD, parse_variation
 from fsdp_sim.schedule.clipping import DEFAULT_MAX_NORM
 from fsdp_sim.schedule.optimizers import IMPLEMENTATIONS, OPTIMIZERS, check_optimizer
 from fsdp_sim.schedule.offload import host_memory_key, offload_keys
@@ -58,7 +57,6 @@ class Scenario:
     compute: ComputeOptions = ComputeOptions()
     allocator: AllocatorConfig = AllocatorConfig()  # PYTORCH_CUDA_ALLOC_CONF (engine/allocator.py)
     zero_stage: int | None = None  # fsdp.zero_stage, when the strategy was given in DeepSpeed's words
-    gpu_speed_spread: float = DEFAULT_SPREAD  # variation.gpu_speed_spread (hardware/variation.py)
 
 
 _DIM_KEYS = {f.name for f in fields(TransformerDims)}
@@ -255,7 +253,7 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     base = base or Path.cwd()
     data = expect_mapping("scenario", data)
     reject_unknown_keys("scenario", data, {"name", "model", "training", "hardware", "fsdp", "compute", "report",
-                                           "allocator", "parallelism", "variation"})
+                                           "allocator", "parallelism"})
     if "model" not in data:
         raise ScenarioError("model: missing (a preset name, transformer dimensions, hf_config or workload)")
     model = data["model"]
@@ -294,9 +292,6 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     gpu = load_profile(_profile_ref(get_key("hardware", hardware, "profile", str), base))
     nodes = get_key("hardware", hardware, "nodes", int, 1, positive=True, maximum=MAX_NODES)
     gpn = get_key("hardware", hardware, "gpus_per_node", int, gpu.gpus_per_node, positive=True, maximum=MAX_GPUS_PER_NODE)
-    if gpn > gpu.gpus_per_node and gpu.fabric.scale_up != "pcie":
-        warn(f"hardware.gpus_per_node: {gpn} is more than the {gpu.name} node's {gpu.gpus_per_node} GPUs (its NVLink "
-             "domain); the fabric is priced as if they all shared it")
     cluster = Cluster(gpu, nodes, gpn, _network(hardware, gpu.fabric.network), host_memory_key(hardware))
     tp = parse_parallelism(data.get("parallelism"), gpn)
     world = cluster.world_size // tp.size  # the data-parallel mesh's ranks (FSDP runs over world / tp)
@@ -398,8 +393,7 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
         settings = replace(settings, version=0)
     return Scenario(name=_name(data, name), workload=workload, units=units, cluster=cluster,
                     settings=settings, wrap=wrap, sharding_strategy=strategy, safety_margin=margin, compute=options,
-                    allocator=allocator_config(expect_mapping("allocator", data.get("allocator"))), zero_stage=zero_stage,
-                    gpu_speed_spread=parse_variation(data.get("variation")))
+                    allocator=allocator_config(expect_mapping("allocator", data.get("allocator"))), zero_stage=zero_stage)
 
 
 def load_scenario(path: str | Path) -> Scenario:
