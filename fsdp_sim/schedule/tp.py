@@ -23,6 +23,12 @@ Each dynamic cast of a TP-sharded tensor takes its amax over the whole tensor (`
 (with sequence parallel) and of wo and w2, and every Float8Linear's output gradient but a rowwise one
 without sequence parallel (Replicate there).
 
+The `hf` and `blocks` plans (`workload/tp_plans.py`) have no `PrepareModuleInput`, no sequence parallel and no
+loss parallel: each colwise Linear (wq, wk, wv, w1, w3) wraps its own input, so its input gradient is
+all-reduced on its own in backward; each rowwise one (wo, w2) all-reduces its output in forward. Under `hf`
+the head (`colwise_rep`) all-gathers the logits on the vocabulary in forward (the `TP_GATHER` label, priced
+at an all-gather's ring factor) and all-reduces its input gradient in backward; the embedding is replicated.
+
 Each is a functional collective that the DTensor op waits for inline (`wait_tensor` before the next op), so
 on the compute stream it blocks the module's kernels: the module's compute op is split around it, and the
 collective runs on the `tp` process group's lane (NVLink inside the node).
@@ -30,14 +36,18 @@ collective runs on the `tp` process group's lane (NVLink inside the node).
 
 from __future__ import annotations
 
+from fsdp_sim.errors import ScenarioError
 from fsdp_sim.hardware.collectives import ProcessGroup
 from fsdp_sim.schedule.ops import Op
 from fsdp_sim.schedule.settings import post_forward_group
 from fsdp_sim.workload.model import Kernel
 
 TP_GROUP = "tp"  # the TP mesh dimension's process group
+TP_GATHER = "tp_gather"  # the same process group's logits all-gather under the hf plan, at its own ring factor
 COLWISE_FIRST = ("wq", "w1", "output")  # the first colwise Linear reading a redistributed input
 ROWWISE = ("wo", "w2", "embedding lookup")  # a rowwise op whose Partial output is redistributed
+PER_LINEAR_COLWISE = ("wq", "wk", "wv", "w1", "w3")  # hf / blocks: each colwise Linear wraps its own input
+PER_LINEAR_ROWWISE = ("wo", "w2")
 LOSS_KERNEL = "log_softmax + nll_loss"
 LOSS_PARALLEL_ALL_REDUCES = 3  # max, sum of exp (`_log_softmax`), the target logit (`_nll_loss_forward`)
 AMAX_BYTES = 4  # a float8 cast's amax: one fp32 scalar (torchao `float8_utils.tensor_to_amax`)
@@ -97,8 +107,9 @@ class TensorParallelCompute:
                 run.append(item)
                 continue
             flush()
-            kind, nbytes = item
-            g.add(kind, stream, f"{name} TP {kind.replace('_', '-')}", group=TP_GROUP, comm_bytes=nbytes)
+            kind, nbytes, *label = item
+            g.add(kind, stream, f"{name} TP {kind.replace('_', '-')}", group=label[0] if label else TP_GROUP,
+                  comm_bytes=nbytes)
         flush()
         return None
 
@@ -109,6 +120,8 @@ class TensorParallelCompute:
     def _tp_items(self, kernels: tuple[Kernel, ...], kernel_pass: str) -> list:
         """The module's kernels in execution order with (kind, bytes) collectives between them."""
         s, wl = self.step.s, self.step.wl
+        if wl.meta.get("tp_plan", "torchtitan") != "torchtitan":
+            return per_linear_items(kernels, kernel_pass, wl, s.param_bytes)
         ops = conjugates(s.sequence_parallel)
         elements = wl.tokens * wl.meta["hidden"]  # the (b, s, h) activation
         hidden_bytes = elements * s.param_bytes
@@ -140,6 +153,32 @@ class TensorParallelCompute:
         return items
 
 
+def per_linear_items(kernels: tuple[Kernel, ...], kernel_pass: str, wl, param_bytes: int) -> list:
+    """`_tp_items` under the hf / blocks plans (module docstring): an all-reduce of the (b, s, h) activation
+    after wo's and w2's forward and after each colwise Linear's backward (its input gradient); under hf's
+    colwise_rep head, the logits' all-gather (b s x k ceil(V/k) elements, the GEMM's padded shard from each
+    rank) after its GEMM in forward and its input gradient's all-reduce in backward."""
+    hidden_bytes = wl.tokens * wl.meta["hidden"] * param_bytes
+    backward = kernel_pass == "backward"
+    colwise = PER_LINEAR_COLWISE + (("output",) if wl.meta.get("tp_head") == "colwise_rep" else ())
+    items: list = []
+    for k in (kernels[::-1] if backward else kernels):
+        if kernel_pass == "recompute" and not k.recompute:
+            continue
+        if k.dtype == "fp8":
+            raise ScenarioError(f"compute.float8: under parallelism.tp_plan {wl.meta['tp_plan']} is not modelled "
+                                "(torchao's Float8 TP styles are torchtitan's plan)")
+        items.append(k)
+        if backward and k.name in colwise:
+            items.append(("all_reduce", hidden_bytes))
+        elif not backward and k.name in PER_LINEAR_ROWWISE:
+            items.append(("all_reduce", hidden_bytes))
+        elif not backward and k.name == "output" and "output" in colwise:
+            m, n_local, _ = k.shape
+            items.append(("all_gather", m * n_local * wl.meta["tp"] * param_bytes, TP_GATHER))
+    return items
+
+
 def dp_process_groups(tp: int, shard_size: int, replicate_size: int, nodes: int, gpus_per_node: int,
                       consecutive: dict[str, int] | None = None) -> dict[str, ProcessGroup]:
     """The process groups of a (replicate, shard, tp) mesh laid out node-major with TP innermost, as
@@ -167,6 +206,6 @@ def tp_pricing(s, cluster) -> dict:
     if s.tp == 1:
         return {}
     consecutive = {post_forward_group(k): k for k in s.post_forward_sizes}
-    return {"groups": dp_process_groups(s.tp, s.shard_size, s.replicate_size, cluster.nodes, cluster.gpus_per_node,
-                                        consecutive),
-            "ring_factors": {TP_GROUP: tp_ring_factor(s.tp, s.sequence_parallel)}}
+    groups = dp_process_groups(s.tp, s.shard_size, s.replicate_size, cluster.nodes, cluster.gpus_per_node, consecutive)
+    return {"groups": groups | {TP_GATHER: groups[TP_GROUP]},
+            "ring_factors": {TP_GROUP: tp_ring_factor(s.tp, s.sequence_parallel), TP_GATHER: (s.tp - 1) / s.tp}}

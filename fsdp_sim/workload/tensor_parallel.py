@@ -15,8 +15,9 @@ of the paper's 34/t comes out: PyTorch's colwise Linears save their input, the a
 output, where Megatron saves the sequence shard and all-gathers it again in backward. Each of the two
 all-gathered inputs per block costs 2sbh(1 - 1/t) above the paper's figure.
 
-The collectives that join the shards, and the mesh's process-group layout, are the schedule's
-(`fsdp_sim/schedule/tp.py`).
+`parallelism.tp_plan` picks whose plan (`TP_PLANS`); the other two are `tp_plans.py`'s (no sequence parallel,
+the embedding replicated, the head colwise-then-gathered or replicated). The collectives that join the shards,
+and the mesh's process-group layout, are the schedule's (`fsdp_sim/schedule/tp.py`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from fsdp_sim.workload.model import Kernel, Workload
 from fsdp_sim.workload.transformer import (BLOCK_RECIPE, TransformerDims, block_recipe, build_transformer,
                                            norm_backward_moment, norm_saves, norm_transients, recipe_activations)
 
+# parallelism.tp_plan: torchtitan's `apply_tp`; transformers' `base_model_tp_plan` with the LM's `_tp_plan`
+# (`lm_head: colwise_rep`); `parallelize_module` on the blocks' Linears only (see tp_plans.py)
+TP_PLANS = ("torchtitan", "hf", "blocks")
 # kernels whose rows a sequence-parallel rank runs on its 1/k of the tokens (norms, residual adds, dropouts)
 SEQUENCE_SHARDED = ("norm", "norm_unfused")
 SEQUENCE_SHARDED_NAMES = ("attention residual add", "mlp residual add", "attention output dropout", "mlp output dropout")
@@ -38,21 +42,30 @@ SEQUENCE_SHARDED_NAMES = ("attention residual add", "mlp residual add", "attenti
 
 @dataclass(frozen=True, slots=True)
 class TensorParallel:
-    """`parallelism.tp` ranks per TP group (1: none) and whether the plan is sequence parallel."""
+    """`parallelism.tp` ranks per TP group (1: none), whether the plan is sequence parallel, and whose plan."""
     size: int = 1
     sequence_parallel: bool = True
+    plan: str = "torchtitan"
 
 
 def parse_parallelism(raw, gpus_per_node: int) -> TensorParallel:
-    """`parallelism: {tp: k, sequence_parallel: bool}`: k divides the node (TP runs over NVLink only)."""
+    """`parallelism: {tp: k, sequence_parallel: bool, tp_plan: torchtitan | hf | blocks}`: k divides the node
+    (TP runs over NVLink only). Only torchtitan's plan has sequence parallel (its default); the hf and blocks
+    plans leave the norms unplanned, so their activations are replicated and `sequence_parallel: true` is refused."""
     raw = expect_mapping("parallelism", raw)
-    reject_unknown_keys("parallelism", raw, {"tp", "sequence_parallel"})
+    reject_unknown_keys("parallelism", raw, {"tp", "sequence_parallel", "tp_plan"})
     tp = get_key("parallelism", raw, "tp", int, 1, positive=True, maximum=gpus_per_node)
     if gpus_per_node % tp:
         raise ScenarioError(f"parallelism.tp: {tp} must divide hardware.gpus_per_node {gpus_per_node} "
                             "(tensor parallel stays inside a node)")
-    sp = get_key("parallelism", raw, "sequence_parallel", bool, True)
-    return TensorParallel(tp, sp)
+    plan = get_key("parallelism", raw, "tp_plan", str, "torchtitan")
+    if plan not in TP_PLANS:
+        raise ScenarioError(f"parallelism.tp_plan: expected one of {list(TP_PLANS)}, got {plan!r}")
+    sp = get_key("parallelism", raw, "sequence_parallel", bool, plan == "torchtitan")
+    if sp and plan != "torchtitan":
+        raise ScenarioError(f"parallelism.sequence_parallel: true needs tp_plan torchtitan (the {plan} plan shards "
+                            "no norm on the sequence)")
+    return TensorParallel(tp, sp, plan)
 
 
 def _check_divisible(d: TransformerDims, tp: int, seq_len: int, sp: bool) -> None:
@@ -96,8 +109,11 @@ def build_tp_transformer(d: TransformerDims, tp: TensorParallel, *, micro_batch:
     """The workload one rank of a TP group runs (see the module docstring)."""
     k = tp.size
     _check_divisible(d, k, seq_len, tp.sequence_parallel)
+    if tp.plan != "torchtitan":
+        from fsdp_sim.workload.tp_plans import build_replicated_ends
+        return build_replicated_ends(d, tp, micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype, name=name)
     wl = build_transformer(tp_dims(d, k), micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype, name=name)
-    meta = wl.meta | {"tp": k, "sequence_parallel": tp.sequence_parallel, "hidden": d.hidden}
+    meta = wl.meta | {"tp": k, "sequence_parallel": tp.sequence_parallel, "hidden": d.hidden, "tp_plan": tp.plan}
     if not tp.sequence_parallel:
         return replace(wl, meta=meta)
     p, tok = itemsize(act_dtype), micro_batch * seq_len

@@ -1,0 +1,121 @@
+"""Referee for the TP plans' collectives: the functional collectives DTensor issues, recorded on the CPU.
+
+`record_tp_collectives` builds the ReferenceTransformer in bf16 on rank 0 of a fake process group of k ranks,
+parallelizes it with one plan (`apply_plan`), and runs one forward + loss and one backward recording every
+functional collective (`torch.distributed._functional_collectives`' `all_reduce`, `all_gather_single`,
+`reduce_scatter_single` (torch 2.13), which DTensor's redistributes and `loss_parallel`'s op handlers call; a dispatch
+mode would miss the handlers', which run inside DTensor's dispatch) with its bytes, in fsdp-sim's convention
+(an all-reduce its tensor, an all-gather its gathered output, a reduce-scatter its input). The plans:
+- `torchtitan`: `tp_referee.apply_tp` (the loss under `loss_parallel()`);
+- `hf`: transformers' `base_model_tp_plan` on the blocks (torch's default `ColwiseParallel()` on wq / wk / wv /
+  w1 / w3, `RowwiseParallel()` on wo / w2: transformers' classes run the same hooks,
+  `integrations/tensor_parallel.py`) and `lm_head: colwise_rep` (`ColwiseParallel(output_layouts=Replicate())`),
+  the rest unplanned ("replicate": no collective);
+- `blocks`: the blocks' Linears only.
+The fake process group moves nothing, so the values are meaningless; which collectives run, in which pass,
+and their sizes are what DTensor's redistributions ask for.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+KINDS = {"all_reduce": "all_reduce", "all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter"}
+
+
+def apply_plan(model, tp_mesh, plan: str, *, sequence_parallel: bool = True) -> None:
+    """Parallelize the ReferenceTransformer with `plan` (module docstring); the attention then runs 1/k of
+    the heads."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from fsdp_sim.torch_tools.tp_referee import apply_tp
+
+    if plan == "torchtitan":
+        apply_tp(model, tp_mesh, sequence_parallel=sequence_parallel)
+        return
+    k = tp_mesh.size()
+    for block in model.layers:
+        styles = {f"attention.{n}": ColwiseParallel() for n in ("wq", "wk", "wv")}
+        styles |= {"attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
+                   "feed_forward.w2": RowwiseParallel()}
+        if hasattr(block.feed_forward, "w3"):
+            styles["feed_forward.w3"] = ColwiseParallel()
+        parallelize_module(block, tp_mesh, styles)
+        block.attention.heads //= k
+        block.attention.kv_heads //= k
+    if plan == "hf":
+        parallelize_module(model, tp_mesh, {"output": ColwiseParallel(output_layouts=Replicate())})
+
+
+def record_tp_collectives(cfg, plan: str, *, tp: int, batch: int, seq: int,
+                          sequence_parallel: bool = True) -> dict[str, Any]:
+    """{"forward": [(kind, bytes), ...], "backward": [...]} in issue order (see the module docstring)."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fsdp_sim.torch_tools.reference_model import ReferenceTransformer, loss_fn
+
+    ops: list[tuple[str, int]] = []
+    originals = {name: getattr(funcol, name) for name in KINDS}
+
+    def recording(name, orig):
+        def run(tensor, *args, **kwargs):
+            out = orig(tensor, *args, **kwargs)
+            counted = out if KINDS[name] == "all_gather" else tensor
+            ops.append((KINDS[name], counted.numel() * counted.element_size()))
+            return out
+        return run
+
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        torch.manual_seed(0)
+        model = ReferenceTransformer(cfg).to(torch.bfloat16)
+        apply_plan(model, init_device_mesh("cpu", (tp,)), plan, sequence_parallel=sequence_parallel)
+        tokens = torch.randint(0, cfg.vocab, (batch, seq))
+        ctx = loss_parallel() if plan == "torchtitan" else contextlib.nullcontext()
+        for name, orig in originals.items():
+            setattr(funcol, name, recording(name, orig))
+        with ctx:
+            loss = loss_fn(model(tokens), tokens)
+            forward = list(ops)
+            loss.backward()
+        return {"forward": forward, "backward": ops[len(forward):], "counts": Counter(ops)}
+    finally:
+        for name, orig in originals.items():
+            setattr(funcol, name, orig)
+        if owns:
+            dist.destroy_process_group()
+
+
+def run_plan_fsdp_mem_tracker(cfg, plan: str, *, tp: int, dp: int, **kwargs) -> dict[str, Any]:
+    """`tp_referee.run_tp_fsdp_mem_tracker` with the `hf` or `blocks` plan: FSDPMemTracker on rank 0 of a
+    (dp, tp) mesh, `fully_shard` on dp over the planned model, the loss on the whole (replicated) logits
+    (no `loss_parallel`); `kwargs` are the harness's (batch, seq, dtypes, ...)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_sim.torch_tools.memtracker import run_fsdp_mem_tracker
+    from fsdp_sim.torch_tools.tp_referee import _real_mesh_tensors
+
+    meshes = {}
+
+    def mesh_fn():
+        with unset_fake_temporarily():
+            meshes["2d"] = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+            return meshes["2d"]["dp"]
+
+    def prepare(model) -> None:
+        apply_plan(model, meshes["2d"]["tp"], plan)
+
+    with _real_mesh_tensors():
+        return run_fsdp_mem_tracker(cfg, world_size=dp * tp, mesh_fn=mesh_fn, prepare_model=prepare, **kwargs)
