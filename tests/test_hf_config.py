@@ -36,6 +36,10 @@ PUBLISHED = {  # config file -> total parameters as published
     "vit-huge-patch14-224": 632e6,  # ViT-H/14 (Dosovitskiy et al. 2021, Table 1), with a 1000-class head
     "clip-vit-large-patch14": 428e6,  # openai/clip-vit-large-patch14
     "llava-1.5-7b": 7.06e9,  # llava-hf/llava-1.5-7b-hf
+    "gemma-2-9b": 9.24e9,  # google/gemma-2-9b (exact figures: tests/test_hf_families.py)
+    "gemma-3-1b-pt": 1.0e9,  # google/gemma-3-1b-pt
+    "qwen2.5-7b": 7.61e9,  # Qwen/Qwen2.5-7B
+    "qwen3-8b": 8.2e9,  # Qwen/Qwen3-8B
 }
 
 

@@ -1,8 +1,10 @@
 """A workload from a Hugging Face `config.json`, read as plain JSON (no `transformers` needed).
 
 Families (`model_type`):
-- decoders: llama, mistral, qwen2, gemma, phi3, gpt2, gpt_neox, and the mixture-of-experts mixtral and
-  qwen2_moe (see `moe.py`); built by `build_transformer` (`micro_batch` sequences of `seq_len` tokens);
+- decoders: llama, mistral, qwen2 (Qwen 2 and 2.5), qwen3, gemma, gemma2, gemma3_text, phi3, gpt2, gpt_neox,
+  and the mixture-of-experts mixtral and qwen2_moe (see `moe.py`); built by `build_transformer` (`micro_batch`
+  sequences of `seq_len` tokens), Gemma 2 / 3's and Qwen 3's extra norms, softcapping and sliding windows
+  by `hf_families.py`, and with `parallelism.tp` one rank's share of a TP plan (`build_from_hf_config(tp=)`);
 - vit: `ViTForImageClassification` (`micro_batch` images, sequence = patches + 1; see `vision.py`);
 - clip: `CLIPModel` with its contrastive loss (`seq_len` text tokens, at most the text tower's positions);
 - llava: CLIP vision tower, projector, and a decoder `text_config` over `seq_len` text tokens plus the
@@ -31,7 +33,9 @@ from fsdp_sim.dtypes import itemsize
 from fsdp_sim.datafile import read_data
 from fsdp_sim.errors import ScenarioError, show, warn
 from fsdp_sim.workload.model import Param, Workload
+from fsdp_sim.workload.hf_families import QK_NORM, SANDWICH, apply_family
 from fsdp_sim.workload.moe import MoESpec, apply_moe
+from fsdp_sim.workload.tensor_parallel import TensorParallel, build_tp_transformer, tp_dims
 from fsdp_sim.workload.transformer import MAX_VOCAB, TransformerDims, build_transformer
 from fsdp_sim.workload.vision import VisionDims, build_clip, build_llava, build_vit
 
@@ -43,8 +47,11 @@ DECODERS = {
     "qwen2": ("swiglu", "rmsnorm", False), "gemma": ("swiglu", "rmsnorm", True),
     "phi3": ("swiglu", "rmsnorm", False), "gpt2": ("gelu", "layernorm", True),
     "gpt_neox": ("gelu", "layernorm", False), "mixtral": ("swiglu", "rmsnorm", False),
-    "qwen2_moe": ("swiglu", "rmsnorm", False),
+    "qwen2_moe": ("swiglu", "rmsnorm", False), "qwen3": ("swiglu", "rmsnorm", False),
+    "gemma2": ("swiglu", "rmsnorm", True), "gemma3_text": ("swiglu", "rmsnorm", True),
 }
+FAMILY_EXTRAS = (*SANDWICH, *QK_NORM)  # hf_families.py
+GEMMA = ("gemma", "gemma2", "gemma3_text")  # Gemma's RMSNorm: fp32 throughout, `* (1 + weight)
 SUPPORTED = sorted([*DECODERS, "vit", "clip", "llava"])
 MAX_COUNT = 1 << 40  # any count or size a config sets; the dims and expert checks state tighter limits
 
@@ -131,24 +138,29 @@ def load_hf_config(path: str | Path) -> dict:
     return data
 
 
-def build_from_hf_config(path: str | Path, *, micro_batch: int, seq_len: int, act_dtype: str) -> Workload:
-    """The workload of one training step of the model a Hugging Face `config.json` describes."""
+def build_from_hf_config(path: str | Path, *, micro_batch: int, seq_len: int, act_dtype: str,
+                         tp: TensorParallel | None = None) -> Workload:
+    """The workload of one training step of the model a Hugging Face `config.json` describes; with `tp` (more
+    than one rank) one rank's share of its decoder under `tp.plan`."""
     path = Path(path)
     name = path.parent.name if path.stem == "config" else path.stem
     return build_from_hf_dict(load_hf_config(path), micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype,
-                              name=name, source=path.name)
+                              name=name, source=path.name, tp=tp)
 
 
 def build_from_hf_dict(data: dict, *, micro_batch: int, seq_len: int, act_dtype: str, name: str = "hf",
-                       source: str = "config.json") -> Workload:
+                       source: str = "config.json", tp: TensorParallel | None = None) -> Workload:
     if micro_batch <= 0 or seq_len <= 0:
         raise ScenarioError(f"training: micro_batch and seq_len must be positive, got {micro_batch}, {seq_len}")
     itemsize(act_dtype)
     c = _Config(data, "", source)
     mt = c.model_type_in(SUPPORTED)
     meta = {"source": "hf_config", "model_type": mt}
+    tp = tp if tp is not None and tp.size > 1 else None
+    if tp is not None and (mt not in DECODERS or mt in ("mixtral", "qwen2_moe")):
+        raise ScenarioError(f"parallelism.tp: needs a dense decoder, not model_type {mt!r} (model.hf_config)")
     if mt in DECODERS:
-        wl = build_decoder(c, micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype, name=name)
+        wl = build_decoder(c, micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype, name=name, tp=tp)
     elif mt == "vit":
         v = vision_dims(c, "vit")
         id2label = c.data.get("id2label")
@@ -200,7 +212,7 @@ def decoder_dims(c: _Config) -> tuple[TransformerDims, set[str], bool]:
         biases = {*MLP, *(ATTN if c.bool("attention_bias", default=True) else ())}
     elif mt in ("qwen2", "qwen2_moe"):
         biases = {"wq", "wk", "wv"}  # Qwen2Attention: bias on q/k/v only
-    elif mt in ("llama", "gemma", "mistral"):
+    elif mt in ("llama", "mistral", "qwen3", *GEMMA):
         biases = {*(ATTN if c.bool("attention_bias", default=False) else ()),
                   *(MLP if c.bool("mlp_bias", default=False) else ())}
     resid_dropout = {"gpt2": ("resid_pdrop", 0.1), "phi3": ("resid_pdrop", 0.0), "gpt_neox": ("hidden_dropout", 0.0)}
@@ -214,7 +226,9 @@ def decoder_dims(c: _Config) -> tuple[TransformerDims, set[str], bool]:
         tie_embeddings=c.bool("tie_word_embeddings", default=tie_default), learned_pos=learned,
         max_seq=c.int("n_positions", "n_ctx") if learned else 0, dropout=dropout, head_dim=head_dim,
         # Hugging Face's RMSNorms upcast to fp32 (transformer.norm_saves); Gemma's applies its weight in fp32
-        norm_impl="composite" if mt == "gemma" else "hf_llama")
+        norm_impl="composite" if mt in GEMMA else "hf_llama",
+        # Gemma 2's softcapped attention runs eager (SDPA has no softcap; hf_families.py)
+        attention="eager" if mt == "gemma2" and c.float("attn_logit_softcapping", default=0.0) > 0 else "sdpa")
     try:
         dims = TransformerDims(**values)
     except ScenarioError as exc:  # say which file the values came from
@@ -253,11 +267,11 @@ UNPRICED = {
 def _unpriced(c: _Config, seq_len: int) -> None:
     """Warn, one line each, of what the config says that the workload does not model."""
     for key, what in UNPRICED.items():
-        if c.data.get(key) is not None:
+        if c.data.get(key) is not None and c.model_type != "gemma2":  # gemma2's are modelled (hf_families.py)
             warn(f"hf_config: {key} {show(c.data[key])} is not modelled ({what}); model_type {c.model_type}")
     window = c.data.get("sliding_window")
     if isinstance(window, int) and not isinstance(window, bool) and 0 < window < seq_len \
-            and c.data.get("use_sliding_window", True):
+            and c.data.get("use_sliding_window", True) and c.model_type not in ("gemma2", "gemma3_text"):
         warn(f"hf_config: sliding_window {window} < training.seq_len {seq_len}: attention is priced over the whole "
              "sequence, not the window")
     positions = c.data.get("max_position_embeddings")
@@ -266,11 +280,25 @@ def _unpriced(c: _Config, seq_len: int) -> None:
              "(simulated as asked; the model was not trained that long)")
 
 
-def build_decoder(c: _Config, *, micro_batch: int, seq_len: int, act_dtype: str, name: str) -> Workload:
-    """A causal LM: `build_transformer`, then the family's extra biases, embedding dropout and experts."""
+def build_decoder(c: _Config, *, micro_batch: int, seq_len: int, act_dtype: str, name: str,
+                  tp: TensorParallel | None = None) -> Workload:
+    """A causal LM: `build_transformer` (one TP rank's share with `tp`), then the family's extra biases (on the
+    per-rank weights: a colwise bias is sharded with its rows), norms and softcaps, embedding dropout and experts."""
     _unpriced(c, seq_len)
     d, biases, emb_dropout = decoder_dims(c)
-    wl = build_transformer(d, micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype, name=name)
+    if tp is None:
+        wl = build_transformer(d, micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype, name=name)
+        local, norm_rows = d, None
+    else:
+        try:
+            wl = build_tp_transformer(d, tp, micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype, name=name)
+        except ScenarioError as exc:
+            raise c.reraise(exc) from None
+        local = tp_dims(d, tp.size)
+        norm_rows = micro_batch * seq_len // tp.size if tp.sequence_parallel else None
+    if c.model_type in FAMILY_EXTRAS:
+        wl = apply_family(wl, c, local, micro_batch=micro_batch, seq_len=seq_len, p=itemsize(act_dtype),
+                          norm_rows=norm_rows)
     if c.model_type in ("mixtral", "qwen2_moe"):
         spec, sparse = _moe_spec(c, d)
         wl = apply_moe(wl, d, spec, sparse, micro_batch=micro_batch, seq_len=seq_len)
