@@ -97,3 +97,5 @@ def test_tp_on_an_hf_config_refusals():
         _build("mixtral-8x7b", 128, tp=TensorParallel(2))
     with pytest.raises(ScenarioError, match=r"^model.hf_config \(gemma-3-1b-pt.json\): parallelism.tp: 8 does not divide model.heads 4"):
         _build("gemma-3-1b-pt", 128, tp=TensorParallel(8, False, "hf"))
+    with pytest.raises(ScenarioError, match=r"^parallelism.tp_plan: hf is modelled for .* not model_type 'phi3'"):
+        _build("phi3-mini-4k", 128, tp=TensorParallel(2, False, "hf"))

@@ -51,6 +51,9 @@ DECODERS = {
     "gemma2": ("swiglu", "rmsnorm", True), "gemma3_text": ("swiglu", "rmsnorm", True),
 }
 FAMILY_EXTRAS = (*SANDWICH, *QK_NORM)  # hf_families.py
+# families whose base_model_tp_plan is Llama's (q/k/v/gate/up colwise, o/down rowwise); Phi-3's gathers its
+# fused qkv / gate_up outputs (`colwise_gather_output` / `rowwise_split_input`), GPT-2 and GPT-NeoX have none
+LLAMA_TP_PLAN = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # Gemma's RMSNorm: fp32 throughout, `* (1 + weight)
 SUPPORTED = sorted([*DECODERS, "vit", "clip", "llava"])
 MAX_COUNT = 1 << 40  # any count or size a config sets; the dims and expert checks state tighter limits
@@ -159,6 +162,9 @@ def build_from_hf_dict(data: dict, *, micro_batch: int, seq_len: int, act_dtype:
     tp = tp if tp is not None and tp.size > 1 else None
     if tp is not None and (mt not in DECODERS or mt in ("mixtral", "qwen2_moe")):
         raise ScenarioError(f"parallelism.tp: needs a dense decoder, not model_type {mt!r} (model.hf_config)")
+    if tp is not None and tp.plan == "hf" and mt not in LLAMA_TP_PLAN:
+        raise ScenarioError(f"parallelism.tp_plan: hf is modelled for {list(LLAMA_TP_PLAN)}, whose base_model_tp_plan "
+                            f"is Llama's colwise / rowwise; not model_type {mt!r}")
     if mt in DECODERS:
         wl = build_decoder(c, micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype, name=name, tp=tp)
     elif mt == "vit":
