@@ -102,7 +102,7 @@ def test_refusals(parallelism, message):
 # ---- referees on the CPU ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("plan,sp", [("torchtitan", True), ("torchtitan", False), ("hf", False), ("blocks", False)])
 def test_collectives_agree_with_dtensor(plan, sp):
-    """Every TP collective fsdp-sim schedules, in order, kind and bytes, forward and backward, is one DTensor
+    """The TP collectives fsdp-sim schedules, by kind and bytes, forward and backward, are those DTensor
     issues for the same bf16 model and plan on a fake process group of 4 ranks (loss parallel's three fp32
     all-reduces included)."""
     pytest.importorskip("torch")
