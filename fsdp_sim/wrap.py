@@ -9,6 +9,16 @@ b5bcd76c6): the embedding its own unit, every block, the final norm and output h
 (`fully_shard([model.norm, model.lm_head], reshard_after_forward=...policy == "always")`, i.e. not
 resharded after forward: backward needs them first), then the root (`fully_shard(model)`), which is left
 with no parameters. With tied weights the embedding joins the norm and head in that group.
+
+`peft` is peft's `fsdp_auto_wrap_policy` (`peft/utils/other.py`), which Answer.AI's fsdp_qlora
+(`train.py`, `get_wrapping_policy`) and accelerate with peft pass to FullyShardedDataParallel:
+`_or_policy([lambda_policy, transformer_policy])`, the lambda wrapping every module with no children whose
+`weight` requires grad (`len(list(module.named_children())) == 0 and getattr(module, "weight", None) is not
+None and module.weight.requires_grad`), the other every decoder layer. So each LoRA adapter (`lora_A`,
+`lora_B`, leaf Linears) is a FullyShardedDataParallel instance of its own inside its block's, and a
+trainable embedding, norm or head outside the blocks too: every FlatParameter is either trained or
+frozen. The adapters are the block unit's `nested` units (the workload's granularity is a block: their
+hooks run inside the block's, `schedule/fsdp1.py`).
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from dataclasses import dataclass
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.workload.model import Module, Param, Workload
 
-POLICIES = ("per_block", "every_k_blocks", "size_based", "whole_model", "torchtitan")
+POLICIES = ("per_block", "every_k_blocks", "size_based", "whole_model", "torchtitan", "peft")
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +36,10 @@ class Unit:
     """One FSDP unit: its name, the modules it owns (forward order) and their parameters.
 
     `reshard_after_forward` is set when the policy fixes the unit's `fully_shard` argument (torchtitan's
-    norm + head group: False); None takes the scenario's.
+    norm + head group: False); None takes the scenario's. `nested`: the units the policy made of leaf
+    modules inside this unit's modules (peft's adapters inside a block), in forward order; they own the
+    parameters named in their `params`, which this unit's do not repeat, and `modules` names the module
+    they run in.
     """
 
     name: str
@@ -34,6 +47,7 @@ class Unit:
     params: tuple[Param, ...]
     is_root: bool = False
     reshard_after_forward: bool | None = None
+    nested: tuple[Unit, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -51,7 +65,7 @@ def _groups(blocks: list[Module], policy: str, k: int, min_params: int) -> list[
         return [blocks[i:i + k] for i in range(0, len(blocks), k)]
     if policy == "whole_model":
         return []
-    if policy == "torchtitan":
+    if policy in ("torchtitan", "peft"):
         return [[b] for b in blocks]
     # size_based: as torch's size_based_auto_wrap_policy, a module is wrapped when the parameters no
     # child claimed reach min_params; blocks too small on their own fall to their container
@@ -79,6 +93,8 @@ def make_units(workload: Workload, policy: str = "per_block", *, k: int = 1, min
     inner = [Unit(_unit_name(g), tuple(m.name for m in g), tuple(p for m in g for p in m.params)) for g in groups]
     if policy == "torchtitan":
         inner = _torchtitan_units(model_modules, inner)
+    if policy == "peft":
+        inner = _peft_units(model_modules, inner)
     claimed = {name for u in inner for name in u.modules}
     rest = [m for m in model_modules if m.name not in claimed]
     root = Unit("root", tuple(m.name for m in rest), tuple(p for m in rest for p in m.params), is_root=True)
@@ -107,6 +123,40 @@ def _torchtitan_units(model_modules: list[Module], blocks: list[Unit]) -> list[U
     if group:
         units.append(Unit(_unit_name(group), tuple(m.name for m in group), tuple(p for m in group for p in m.params),
                           reshard_after_forward=False))
+    order = {m.name: i for i, m in enumerate(model_modules)}
+    return sorted(units, key=lambda u: order[u.modules[0]])
+
+
+def _leaves(params: tuple[Param, ...]) -> dict[str, list[Param]]:
+    """The parameters by the module that owns them (the name less its last part), in order."""
+    leaves: dict[str, list[Param]] = {}
+    for p in params:
+        leaves.setdefault(p.name.rsplit(".", 1)[0], []).append(p)
+    return leaves
+
+
+def _trained_leaves(params: tuple[Param, ...]) -> list[str]:
+    """The modules peft's lambda policy wraps: those whose `weight` requires grad. The workload names only
+    parameters, so a module is the parameters' common prefix; one with a `.weight` is taken as a leaf
+    (a block's Linears and norms, an adapter's lora_A / lora_B)."""
+    return [leaf for leaf, ps in _leaves(params).items() if any(p.name == leaf + ".weight" and p.trainable for p in ps)]
+
+
+def _peft_units(model_modules: list[Module], blocks: list[Unit]) -> list[Unit]:
+    """peft's `fsdp_auto_wrap_policy`: every block a unit, the leaf modules with a trainable weight units of
+    their own, nested in their block's; a module outside the blocks whose weight is trained (an embedding,
+    the final norm, the head: each a leaf) a unit beside them. Units in pre-forward order."""
+    units = []
+    for b in blocks:
+        leaves = _leaves(b.params)
+        wrapped = _trained_leaves(b.params)
+        nested = tuple(Unit(leaf, b.modules, tuple(leaves[leaf])) for leaf in wrapped)
+        claimed = {p.name for u in nested for p in u.params}
+        units.append(Unit(b.name, b.modules, tuple(p for p in b.params if p.name not in claimed), nested=nested))
+    block_names = {u.name for u in units}
+    for m in model_modules:
+        if m.name not in block_names and not m.is_block and _trained_leaves(m.params):
+            units.append(Unit(m.name, (m.name,), m.params))
     order = {m.name: i for i, m in enumerate(model_modules)}
     return sorted(units, key=lambda u: order[u.modules[0]])
 

@@ -8,11 +8,17 @@ calls them: `pre_forward` (`_pre_forward_unshard`), `post_forward` (`_post_forwa
 `fsdp1_reduce.py`. Which hook runs around which module is the same walk as FSDP2's (both hook the
 same module boundaries): `walk.py`'s `FSDPWalk`, which both runtimes subclass.
 
-Each unit is one FlatParameter (`flat_param.py`): its parameters flattened (with `use_orig_params`,
-each aligned to 16 bytes of the compute dtype and the total padded to a multiple of the world size,
-`_init_flat_param_and_metadata`), sharded with `torch.chunk` semantics and padded to the first chunk
-(`_get_shard`): S = ceil(N / W) elements per rank. The all-gather writes the padded unsharded flat
-parameter (S x W) on the unshard stream and the parameters are views of it: no copy-out.
+Each unit is one FlatParameter (`fsdp1_flat.py`: checked as torch checks it, in its own dtype): its
+parameters flattened (with `use_orig_params`, each aligned to 16 bytes of the compute dtype and the total
+padded to a multiple of the world size, `_init_flat_param_and_metadata`), sharded with `torch.chunk`
+semantics and padded to the first chunk (`_get_shard`): S = ceil(N / W) elements per rank. The all-gather
+writes the padded unsharded flat parameter (S x W) on the unshard stream and the parameters are views of
+it: no copy-out. A unit whose FlatParameter does not require grad (frozen) gets no gradient, no
+reduce-scatter and no optimizer state; with `use_orig_params` a FlatParameter that mixes trained and
+frozen parameters requires grad, autograd runs the workload as `lora.autograd_view` derives it (the frozen
+views' gradients computed) and the optimizer steps only the trained parameters. Units the policy nested in
+a block (`wrap.py`, peft's adapters) run their hooks inside the block's (`nested_forward`,
+`backward_compute`).
 
 Streams (`_init_streams`): `compute` (the default stream), `pre_unshard` (the low-precision `_mp_shard`
 cast), `unshard` (allocation of the unsharded flat parameter and the all-gather), `post_backward`
@@ -26,54 +32,67 @@ from __future__ import annotations
 
 from collections import deque
 
+from fsdp_sim.dtypes import itemsize
+from fsdp_sim.hardware.host_link import H2D
 from fsdp_sim.schedule.autograd import COMPUTE
+from fsdp_sim.schedule.fsdp1_flat import (all_units, autograd_requires_grad, compute_dtype, flat_param_numel,
+                                          flat_params, quant_state_bytes)
 from fsdp_sim.schedule.fsdp1_reduce import FlatGradientReduction
 from fsdp_sim.schedule.fsdp2_reduce import SHARD_GROUP
 from fsdp_sim.schedule.ops import Buffer, Op, OpGraph
-from fsdp_sim.hardware.host_link import H2D
 from fsdp_sim.schedule.optimizers import state_bytes
 from fsdp_sim.schedule.settings import FSDPSettings
 from fsdp_sim.schedule.walk import FSDPWalk
+from fsdp_sim.workload.lora import autograd_view
 from fsdp_sim.workload.model import Module, Workload
 from fsdp_sim.wrap import Unit
+
+__all__ = ["FSDP1Runtime", "build_fsdp1_step", "flat_param_numel"]
 
 PRE_UNSHARD, UNSHARD = "pre_unshard", "unshard"
 # _flat_param.py: RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES (the others keep the parameters until backward)
 RESHARD_AFTER_FORWARD = ("FULL_SHARD", "HYBRID_SHARD")
 MAX_INFLIGHT_ALL_GATHERS = 2  # _limiter_utils._FreeEventQueue._max_num_inflight_all_gathers ("empirically chosen")
-ALIGNMENT = 16  # bytes: _flat_param._get_aligned_numel (use_orig_params=True), "from TorchInductor"
-
-
-def flat_param_numel(numels: list[int], world: int, aligned_numel: int) -> int:
-    """Elements of a FlatParameter before sharding: the parameters in order, each starting at a multiple
-    of `aligned_numel` and the total padded to a multiple of `world` (`_init_flat_param_and_metadata`,
-    only with use_orig_params, where aligned_numel > 0); without alignment, their sum."""
-    total = 0
-    for n in numels:
-        if aligned_numel and total % aligned_numel:
-            total += aligned_numel - total % aligned_numel
-        total += n
-    if aligned_numel and total % world:
-        total += world - total % world
-    return total
 
 
 class FSDP1Runtime(FlatGradientReduction, FSDPWalk):
     """The FullyShardedDataParallel hooks the walk (`walk.py`) calls, and what they issue beneath."""
 
     def __init__(self, workload: Workload, units: list[Unit], settings: FSDPSettings) -> None:
-        super().__init__(workload, units, settings)
         s = settings
+        self.flats = flat_params(units, s)  # refuses what `_validate_tensors_to_flatten` refuses
+        # with use_orig_params every view of a FlatParameter that requires grad gets a gradient
+        requires_grad = autograd_requires_grad(units, self.flats, s) if s.use_orig_params else None
+        trained = frozenset(p.name for p in workload.params if p.trainable)
+        view = autograd_view(workload, requires_grad) if requires_grad and requires_grad != trained else workload
+        super().__init__(view, units, settings)
+        self.rederived = view is not workload  # schedule/build.py re-prices from the scenario's workload: not this one
         # FSDP1 turns a sharded strategy on a group of one into NO_SHARD (`_init_core_state`)
         self.sharded = s.shard_size > 1 and s.sharding_strategy != "NO_SHARD"
-        self.mixed_precision = s.param_dtype != s.storage_dtype  # _uses_param_mixed_precision
-        aligned = ALIGNMENT // s.param_bytes if s.use_orig_params else 0
-        world = s.shard_size if self.sharded else s.shard_size * s.replicate_size
-        self.flat_numel = {u.name: flat_param_numel([p.numel for p in u.params], world, aligned)
-                           for u in units if u.params}
+        self.flat_numel = {name: f.numel for name, f in self.flats.items()}
         # the local flat shard: ceil(N / W) (padded), or the whole flat parameter under NO_SHARD
         self.local = {name: -(-n // s.shard_size) if self.sharded else n for name, n in self.flat_numel.items()}
-        self.trainable = {u.name for u in units if any(p.trainable for p in u.params)}
+        self.requires_grad = {name for name, f in self.flats.items() if f.requires_grad}  # flat_param.requires_grad
+        self.stored_bytes = {name: itemsize(f.dtype) for name, f in self.flats.items()}  # the FlatParameter's dtype
+        self.gathered_bytes = {name: itemsize(compute_dtype(f.dtype, s)) for name, f in self.flats.items()}
+        self.unit_by_name = {u.name: u for u in all_units(units)}
+        self.pre_forward_order = [u for u in all_units(units) if u.name in self.local]
+        self.pre_forward_index = {u.name: i for i, u in enumerate(self.pre_forward_order)}
+        self.nested_in = {v.name: u for u in units for v in u.nested}
+        self.unsharded.update({name: None for name in self.nested_in})
+        records = {m.name: m.records_graph for m in self.wl.modules}
+        model = [m.name for m in self.wl.modules if m.in_model]
+        # `_register_pre_backward_hooks` marks a handle for its pre-backward unshard only when its forward
+        # output requires grad (the unit's last module recorded a graph); an adapter's always does
+        self.output_requires_grad = {u.name: u.name in self.nested_in or records[model[-1] if u.is_root else u.modules[-1]]
+                                     for u in all_units(units)}
+        # the reshard-only hook of a frozen FlatParameter is a multi-grad hook on the unit's inputs that
+        # require grad (`_register_post_backward_reshard_only_hook`): none when its input needs no gradient
+        before = {name: model[i - 1] if i else None for i, name in enumerate(model)}
+        self.input_requires_grad = {u.name: not u.is_root and before[u.modules[0]] is not None
+                                    and records[before[u.modules[0]]] for u in all_units(units)}
+        self.resharded_at_end: list[Unit] = []  # frozen units left to `_catch_all_reshard`
+        self.deferred_prefetch: list[Unit] | None = None  # prefetches out of a block, issued after its backward
         self.mp_shards: dict[str, Buffer] = {}  # flat_param._mp_shard while allocated
         self.flat_grads: dict[str, Buffer] = {}  # flat_param.grad, unsharded (kept under no_sync)
         self.free_event_queue: deque[Op] = deque()  # state._free_event_queue (the rate limiter)
@@ -83,26 +102,43 @@ class FSDP1Runtime(FlatGradientReduction, FSDPWalk):
         self.needs_pre_backward_unshard: set[str] = set()
         self.delayed_post_backward: Unit | None = None  # a forward-prefetched unit's hook, run one unit late
 
+    def build(self) -> OpGraph:
+        g = super().build()
+        if self.rederived:
+            g.compute_sites = None
+        return g
+
     # ---- persistent state and the optimizer ----------------------------------------------------
     def _persistent_state(self) -> None:
-        """The sharded fp32 flat parameter (`_local_shard`, padded) and the optimizer's states over it (one
-        1-D tensor); under CPUOffload both in pinned host memory, beside the preallocated `_cpu_grad`."""
+        """The sharded flat parameter in its dtype (`_local_shard`, padded) and the optimizer's states (one
+        1-D tensor per FlatParameter, or per trained parameter with use_orig_params: `optimizer_shards`);
+        under CPUOffload both in pinned host memory, beside the `_cpu_grad` every FlatParameter gets
+        (`init_flat_param_attributes`, whether or not it requires grad). bitsandbytes' scales stay whole on
+        every GPU (`fsdp1_flat.quant_state_bytes`)."""
         s, g = self.s, self.g
-        for u in self.units:
-            if u.name not in self.local:
-                continue
-            g.unit = u.name
-            local = self.local[u.name]
-            self.hold_state(f"{u.name} sharded flat param", "sharded_params", local * s.storage_bytes)
-            if u.name in self.trainable:
-                if states := state_bytes(s.optimizer, s.momentum, [(local,)], s.storage_bytes):
-                    self.hold_state(f"{u.name} {s.optimizer} states", "optimizer_states", states)
-                if s.offload_params:  # _pre_forward: _cpu_grad = zeros_like(_local_shard).pin_memory()
-                    self.host.hold("sharded_grads", local * s.storage_bytes)
+        for name, local in self.local.items():
+            g.unit = name
+            self.hold_state(f"{name} sharded flat param", "sharded_params", local * self.stored_bytes[name])
+            if name in self.requires_grad:
+                if states := state_bytes(s.optimizer, s.momentum, [(n,) for n in self._optimizer_tensors(name)],
+                                         s.storage_bytes):
+                    self.hold_state(f"{name} {s.optimizer} states", "optimizer_states", states)
+            if s.offload_params:  # init_flat_param_attributes: _cpu_grad = zeros_like(_local_shard).pin_memory()
+                self.host.hold("sharded_grads", local * self.stored_bytes[name])
+        g.unit = ""
+        if scales := quant_state_bytes(self.units):
+            g.persistent_alloc("bitsandbytes QuantState (4-bit scales, whole on every rank)", "buffers", scales)
+
+    def _optimizer_tensors(self, name: str) -> list[int]:
+        """What the optimizer steps of one FlatParameter: the flat shard, or with use_orig_params the trained
+        parameters' views into it (`_use_sharded_grad_views`: only those get a `.grad`)."""
+        if not self.s.use_orig_params:
+            return [self.local[name]]
+        return list(self.flats[name].trained_shards(self.s.shard_size if self.sharded else 1))
 
     def optimizer_shards(self) -> list[int]:
-        """The optimizer steps one flat parameter per unit (use_orig_params=False)."""
-        return [self.local[name] for name in self.local if name in self.trainable]
+        """The tensors the optimizer steps, over every FlatParameter that requires grad."""
+        return [n for name in self.local if name in self.requires_grad for n in self._optimizer_tensors(name)]
 
     # ---- forward (_pre_forward, _post_forward) --------------------------------------------------
     def pre_forward(self, u: Unit, inputs: Module | None = None) -> None:
@@ -119,29 +155,46 @@ class FSDP1Runtime(FlatGradientReduction, FSDPWalk):
             if self.s.forward_prefetch:
                 self.needs_pre_forward_unshard = set(self.local)
         if u.name not in self.local:  # no FlatParameter: no handle
+            self.nested_forward(u)
             return
         if u.name not in self.prefetched:
             self.unshard(u)
         self.needs_pre_forward_unshard.discard(u.name)
         g.wait_event(COMPUTE, self.unshard_stream_tail)
         order = self.pre_forward_order
-        i = order.index(u)
+        i = self.pre_forward_index[u.name]
         if self.s.forward_prefetch and i + 1 < len(order):
             target = order[i + 1]
             if target.name in self.needs_pre_forward_unshard and target.name not in self.prefetched:
                 self._prefetch(target)
         g.unit = u.name
+        self.nested_forward(u)
 
-    def post_forward(self, u: Unit, output: Module) -> None:
+    def nested_forward(self, u: Unit, *, recompute: bool = False) -> None:
+        """The forward hooks of the units nested in `u` (peft's adapters in a block), in their order, run
+        before the block's compute: each all-gathers its flat parameter, is used, and (FULL_SHARD) frees it.
+        In a checkpointed block's recompute they run again, in full: the adapters' handles are idle then
+        (`_pre_forward` skips only a handle in BACKWARD_PRE), so each is all-gathered (unless prefetched),
+        freed and marked for its pre-backward unshard once more; the post-forward order keeps its indices
+        (`record_post_forward` appends, `_post_forward_index` stays)."""
+        for v in u.nested:
+            self.pre_forward(v)
+            self.post_forward(v, None, record=not recompute)
+        self.g.unit = u.name
+
+    def post_forward(self, u: Unit, output: Module | None, *, record: bool = True) -> None:
         """`_post_forward`: record the post-forward order, `_post_forward_reshard` (the root and the
-        strategies that keep parameters after forward do not free), register the pre-backward hooks."""
+        strategies that keep parameters after forward do not free), `_register_pre_backward_hooks`, which
+        marks the handle for its pre-backward unshard only if an output tensor requires grad."""
         if u.name not in self.local:
             return
         self.g.unit = u.name
-        self.post_forward_index[u.name] = len(self.post_forward_order)
-        self.post_forward_order.append(u)
+        if record:
+            self.post_forward_index[u.name] = len(self.post_forward_order)
+            self.post_forward_order.append(u)
         self.reshard(u, free=not u.is_root and self.s.sharding_strategy in RESHARD_AFTER_FORWARD and self.sharded)
-        self.needs_pre_backward_unshard.add(u.name)
+        if self.output_requires_grad[u.name]:
+            self.needs_pre_backward_unshard.add(u.name)
 
     # ---- backward (_pre_backward_hook, _post_backward_hook) -------------------------------------
     def pre_backward(self, u: Unit) -> None:
@@ -160,6 +213,30 @@ class FSDP1Runtime(FlatGradientReduction, FSDPWalk):
         self.prefetch(u, "BACKWARD_PRE")
         g.unit = u.name
 
+    def backward_compute(self, m: Module, prev: Module | None, nxt: Module | None) -> None:
+        """A block's backward with the units nested in it: a checkpointed block's recompute runs their
+        forward hooks again (`nested_forward`), then their pre-backward hooks fire in reverse order (each
+        all-gathers its adapter, unless prefetched, and prefetches the one before it), the block's gradient
+        kernels run, and each adapter's AccumulateGrad hook reduce-scatters its gradient. A prefetch that
+        leaves the block (the first adapter's, of the block before) is issued after the block's backward:
+        the first adapter's pre-backward fires at the end of it, after the Linears it sits beside."""
+        u = self.unit_of.get(m.name)
+        if u is None or not u.nested:
+            return super().backward_compute(m, prev, nxt)
+        if m.name in self.checkpoints:
+            self.nested_forward(u, recompute=True)
+        self.deferred_prefetch = []
+        for v in reversed(u.nested):
+            self.pre_backward(v)
+        deferred, self.deferred_prefetch = self.deferred_prefetch, None
+        self.g.unit = u.name
+        super().backward_compute(m, prev, nxt)
+        for target in deferred:
+            self._prefetch(target)
+        for v in reversed(u.nested):
+            self.post_backward(v)
+        self.g.unit = u.name
+
     def post_backward(self, u: Unit) -> None:
         """Where autograd runs the unit's flat-parameter split backward and AccumulateGrad, which fires
         `_post_backward_hook`: right after the unit's gradient kernels, except for a unit the forward
@@ -173,7 +250,10 @@ class FSDP1Runtime(FlatGradientReduction, FSDPWalk):
         pending, self.delayed_post_backward = self.delayed_post_backward, None
         if pending is not None:
             self.post_backward_hook(pending)
-        if self.s.forward_prefetch and self.pre_forward_order.index(u) > 0:
+        if u.name not in self.requires_grad:
+            self.post_backward_reshard_only(u)
+            return
+        if self.s.forward_prefetch and self.pre_forward_index[u.name] > 0:
             self.delayed_post_backward = u
             return
         self.post_backward_hook(u)
@@ -189,14 +269,28 @@ class FSDP1Runtime(FlatGradientReduction, FSDPWalk):
         """
         g = self.g
         g.unit = u.name
-        if u.name in self.trainable:
-            self.accumulate_flat_grad(u)
-        free = self.sharded and (self.reduce_grads or self.s.sharding_strategy in RESHARD_AFTER_FORWARD)
-        self.reshard(u, free=free)
-        self.prefetch(u, "BACKWARD_POST")
+        self.accumulate_flat_grad(u)
+        self.post_backward_reshard(u)
         g.unit = u.name
-        if u.name in self.trainable and self.reduce_grads:
+        if self.reduce_grads:
             self.reduce_grad(u)
+
+    def post_backward_reshard(self, u: Unit) -> None:
+        """`_post_backward_reshard`: free the parameters unless `_should_free_in_backward` keeps them, then
+        `_prefetch_handle(BACKWARD)` (BACKWARD_POST)."""
+        self.reshard(u, free=self.sharded and (self.reduce_grads or self.s.sharding_strategy in RESHARD_AFTER_FORWARD))
+        self.prefetch(u, "BACKWARD_POST")
+
+    def post_backward_reshard_only(self, u: Unit) -> None:
+        """A FlatParameter that requires no grad has no AccumulateGrad hook; `_register_post_backward_
+        reshard_only_hook` reshards it from a multi-grad hook on its unit's inputs that require grad, once
+        their gradients exist (after the unit's backward). A unit whose inputs need none (the first block
+        after a frozen embedding) has no such hook: `_catch_all_reshard` frees it in the final callback."""
+        self.g.unit = u.name
+        if self.input_requires_grad[u.name]:
+            self.post_backward_reshard(u)
+        elif u not in self.resharded_at_end:
+            self.resharded_at_end.append(u)
 
     def accumulate_flat_grad(self, u: Unit) -> None:
         """Autograd's end of the unit: `split_with_sizes_backward` cats the parameters' gradients into one
@@ -221,8 +315,15 @@ class FSDP1Runtime(FlatGradientReduction, FSDPWalk):
         post-backward stream (and the all-reduce stream under HSDP) when gradients were synchronised;
         every handle forgets its prefetch and pre-backward state, the execution order its post-forward
         order. Returns the op the compute stream waited, for the optimizer step."""
-        for u in (self.root, *self.unreached):  # then the frozen prefix's handles: `_catch_all_reshard`
-            self.post_backward(u)
+        if self.root.name in self.requires_grad:
+            self.post_backward(self.root)
+        for u in (*self.unreached, *self.resharded_at_end):  # `_catch_all_reshard`: what is still unsharded
+            self.g.unit = u.name
+            self.reshard(u, free=self.sharded and (self.reduce_grads or self.s.sharding_strategy in RESHARD_AFTER_FORWARD))
+        if self.root.name not in self.requires_grad and self.root.name in self.local:
+            self.g.unit = self.root.name  # a frozen root: its inputs (token ids) need no gradient
+            self.reshard(self.root, free=self.sharded and (self.reduce_grads or self.s.sharding_strategy in RESHARD_AFTER_FORWARD))
+        self.resharded_at_end.clear()
         self.g.unit = self.root.name
         self.prefetched.clear()
         self.needs_pre_backward_unshard.clear()
@@ -246,20 +347,21 @@ class FSDP1Runtime(FlatGradientReduction, FSDPWalk):
         """
         g, s = self.g, self.s
         local = self.local[u.name]
+        stored, gathered = self.stored_bytes[u.name], self.gathered_bytes[u.name]
         needs_unshard = self.sharded and self.unsharded[u.name] is None  # handle.needs_unshard()
         offload = s.offload_params
         if needs_unshard or not self.sharded or offload:
             last = None
             if offload:
                 host_copy = g.alloc(PRE_UNSHARD, f"{u.name} shard on the GPU", "temporaries" if self.sharded
-                                    else "unsharded_params", local * s.storage_bytes)
+                                    else "unsharded_params", local * stored)
                 last = g.add("copy", PRE_UNSHARD, f"{u.name} shard H2D", comm_bytes=host_copy.nbytes, group=H2D)
                 self.mp_shards[u.name] = host_copy
-            if self.mixed_precision:
+            if compute_dtype(self.flats[u.name].dtype, s) != self.flats[u.name].dtype:  # _uses_param_mixed_precision
                 self.mp_shards[u.name] = g.alloc(PRE_UNSHARD, f"{u.name} _mp_shard", "temporaries" if self.sharded
-                                                 else "unsharded_params", local * s.param_bytes)
+                                                 else "unsharded_params", local * gathered)
                 last = g.add("copy", PRE_UNSHARD, f"{u.name} cast shard to {s.param_dtype}",
-                             hbm_bytes=local * (s.storage_bytes + s.param_bytes))
+                             hbm_bytes=local * (stored + gathered))
                 if offload:
                     g.free(PRE_UNSHARD, host_copy)
             if last is not None:
@@ -269,7 +371,7 @@ class FSDP1Runtime(FlatGradientReduction, FSDPWalk):
             g.synchronize(self.free_event_queue.popleft())
         if needs_unshard:
             out = self.unsharded[u.name] = g.alloc(UNSHARD, f"{u.name} unsharded flat param", "unsharded_params",
-                                                   local * s.shard_size * s.param_bytes)
+                                                   local * s.shard_size * gathered)
             self.unshard_stream_tail = g.add("all_gather", UNSHARD, f"{u.name} all-gather", group=SHARD_GROUP,
                                              comm_bytes=out.nbytes)
         if self.sharded and u.name in self.mp_shards:  # post_unshard: _free_low_precision_sharded_param
@@ -303,6 +405,10 @@ class FSDP1Runtime(FlatGradientReduction, FSDPWalk):
             return
         target = self.post_forward_order[index - 1]
         if target.name in self.needs_pre_backward_unshard and target.name not in self.prefetched:
+            if self.deferred_prefetch is not None and self.nested_in.get(target.name) is not self.nested_in.get(u.name):
+                if all(t.name != target.name for t in self.deferred_prefetch):  # out of the block whose adapters' hooks run now
+                    self.deferred_prefetch.append(target)
+                return
             self._prefetch(target)
 
     def _prefetch(self, target: Unit) -> None:

@@ -5,7 +5,15 @@ keys only the other version has.
 keys (`wrap: transformer_auto_wrap_policy` is `per_block`, `size_based_auto_wrap_policy` is `size_based`
 with `min_num_params`) and the FSDPSettings fields FSDP1 sets (`backward_prefetch: BACKWARD_PRE |
 BACKWARD_POST | none`, `forward_prefetch: true | false`, `limit_all_gathers`, `use_orig_params`,
-`no_sync`, `cpu_offload: true` = `CPUOffload(offload_params=True)`, the sharding strategy). Defaults are FullyShardedDataParallel's constructor's.
+`no_sync`, `cpu_offload: true` = `CPUOffload(offload_params=True)`, the sharding strategy). Defaults are FullyShardedDataParallel's constructor's,
+but one: `mixed_precision`. FullyShardedDataParallel's default is `mixed_precision=None` (and `MixedPrecision()`'s
+`param_dtype=None`): every FlatParameter is gathered, computed and reduced in its own dtype
+(`_init_param_dtype`: `_fwd_bwd_param_dtype = mp_param_dtype or self._orig_param_dtype`, `_reduce_dtype`
+likewise). fsdp-sim's `fsdp.mixed_precision.param_dtype` defaults to bf16 under both versions (the scenario
+format's one default; FSDP2's `MixedPrecisionPolicy()` has no param_dtype either); torch's default is
+`mixed_precision: {param_dtype: null}`, which fsdp-sim runs as written.
+
+`wrap: peft` (peft's `fsdp_auto_wrap_policy`, `wrap.py`) is an `auto_wrap_policy`: version 1 only.
 """
 
 from __future__ import annotations
@@ -35,6 +43,10 @@ def fsdp1_options(fsdp: dict, version: int, gpu) -> tuple[dict, dict]:
             if key in fsdp:
                 raise ScenarioError(f"fsdp.{key}: FullyShardedDataParallel's argument (fsdp.version: 1); "
                                     "fully_shard (version 2) has none")
+        if fsdp.get("wrap") == "peft":
+            raise ScenarioError("fsdp.wrap: peft is peft's fsdp_auto_wrap_policy, an auto_wrap_policy of "
+                                "FullyShardedDataParallel (fsdp.version: 1); fully_shard (version 2) shards a group "
+                                "that mixes frozen and trained parameters as it is: use per_block")
         for key in ("backward_prefetch", "wrap"):
             if isinstance(fsdp.get(key), str) and fsdp[key] in (*BACKWARD_PREFETCH, *WRAP_POLICIES):
                 raise ScenarioError(f"fsdp.{key}: {fsdp[key]} is FSDP1's word (fsdp.version: 1); "
@@ -62,7 +74,7 @@ def fsdp1_options(fsdp: dict, version: int, gpu) -> tuple[dict, dict]:
     wrap = fsdp.get("wrap", "per_block")
     if wrap == "torchtitan":
         raise ScenarioError("fsdp.wrap: torchtitan's wrapping calls fully_shard (version 2); under version 1 use "
-                            f"one of {[*WRAP_POLICIES, 'per_block', 'every_k_blocks', 'size_based', 'whole_model']}")
+                            f"one of {[*WRAP_POLICIES, 'per_block', 'every_k_blocks', 'size_based', 'whole_model', 'peft']}")
     shared = {k: v for k, v in fsdp.items() if k not in (*FSDP1_ONLY, "backward_prefetch", "forward_prefetch")}
     if isinstance(wrap, str) and wrap in WRAP_POLICIES:
         shared["wrap"] = WRAP_POLICIES[wrap]

@@ -30,6 +30,9 @@ FROZEN_DTYPES = ("bf16", "fp16", "fp32")
 # an adapter's kernels are named by its target Linear's kernel and these (`lora.py`)
 LORA_DROPOUT, LORA_A, LORA_B = " lora_dropout", " lora_A", " lora_B"
 QUANT_STATE_SUFFIX = ".weight.absmax"  # a 4-bit weight's block scales, stored beside it (`lora.py`)
+# Workload.meta: (the modules before the first freezing, the frozen dtype, the Linears whose input an adapter
+# keeps), what `lora.autograd_view` re-freezes from when other parameters need gradients (FSDP1 use_orig_params)
+UNFROZEN = "unfrozen"
 # tensors of a pre-norm block that only Linears' weight gradients keep: (readers, the attention kind the
 # rule needs or None) -> which `transformer.block_activations` line saved it
 _INPUT_GROUPS = ((("wq", "wk", "wv"), None), (("w1", "w3"), None), (("w2",), None), (("wo",), "attention_eager"))
@@ -62,7 +65,9 @@ def freeze_where(wl: Workload, is_frozen, dtype: str, reads_input: frozenset[str
         return replace(p, trainable=False, dtype=dtype if p.dtype in FROZEN_DTYPES else p.dtype)
 
     modules = tuple(replace(m, params=tuple(frozen(p) for p in m.params)) for m in wl.modules)
-    return without_frozen_gradients(replace(wl, modules=modules), reads_input)
+    before = wl.meta.get(UNFROZEN)
+    source = (wl.modules, dtype, reads_input) if before is None else (before[0], before[1], before[2] | reads_input)
+    return without_frozen_gradients(replace(wl, modules=modules, meta={**wl.meta, UNFROZEN: source}), reads_input)
 
 
 def without_frozen_gradients(wl: Workload, reads_input: frozenset[str] = frozenset()) -> Workload:
@@ -243,15 +248,23 @@ def _adapter_reads(m: Module, kernel: str, reads_input: frozenset[str]) -> bool:
     return any(p.name.startswith(r) and r.endswith(f".{kernel}") for p in m.params for r in reads_input)
 
 
+def packed_weights(names) -> frozenset[str]:
+    """The parameters stored as packed 4-bit codes: those with block scales beside them (`lora.py`)."""
+    names = set(names)
+    return frozenset(n[:-len(QUANT_STATE_SUFFIX)] + ".weight" for n in names if n.endswith(QUANT_STATE_SUFFIX))
+
+
 def trainable_counts(wl: Workload) -> tuple[int, int]:
-    """(trainable, frozen) parameter counts, exact ints. A packed 4-bit weight (uint8) holds two weights per
-    byte, as peft's `print_trainable_parameters` counts a `Params4bit`; its block scales are not weights."""
+    """(trainable, frozen) parameter counts, exact ints. A packed 4-bit weight holds two weights per byte of
+    its storage (uint8, or the bf16 of `quant_storage`), as peft's `print_trainable_parameters` counts a
+    `Params4bit`; its block scales are not weights."""
     trainable = frozen = 0
+    packed = packed_weights(p.name for p in wl.params)
     for p in wl.params:
         if p.trainable:
             trainable += p.numel
-        elif p.dtype == "uint8":
-            frozen += 0 if p.name.endswith(QUANT_STATE_SUFFIX) else 2 * p.numel
-        else:
+        elif p.name in packed:
+            frozen += 2 * p.numel * itemsize(p.dtype)
+        elif not p.name.endswith(QUANT_STATE_SUFFIX):
             frozen += p.numel
     return trainable, frozen

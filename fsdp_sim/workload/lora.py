@@ -17,7 +17,16 @@ absmax per block of 64; fp32 absmax (0.5 bit per weight), or with double quantiz
 (`compress_statistics=True`, the paper's default) uint8 absmax quantized in blocks of 256 with one fp32 scale
 each, plus the fp32 mean subtracted first (8/64 + 32/(64 x 256) = 0.127 bit per weight, the paper's figure).
 Under FSDP2 the codes and scales are sharded and all-gathered as bytes (torchao's `NF4Tensor`, torchtune's
-QLoRA, all-gathers its quantized data and scalers through `fsdp_pre_all_gather`). Every matmul dequantizes
+QLoRA, all-gathers its quantized data and scalers through `fsdp_pre_all_gather`).
+`quant_storage` is `bnb_4bit_quant_storage` (`Linear4bit(quant_storage=...)`): the dtype of the tensor
+the codes are packed in, `torch.empty(((n + 1) // (quant_storage.itemsize * 2), 1), dtype=quant_storage)`
+(`bitsandbytes/backends/cuda/ops.py`, `quantize_4bit`): the same bytes, in elements of that dtype. The
+default uint8 is an integer tensor, which FSDP1 refuses to flatten (`_validate_tensors_to_flatten`:
+"Cannot flatten integer dtype tensors"); bf16 is what Answer.AI's fsdp_qlora and accelerate pass so that
+FSDP1 can flatten and shard the base with the rest of its block. The scales are `QuantState` tensors, a
+module attribute, not a parameter (`Linear4bit.quant_state`, restored by
+`fix_4bit_weight_quant_state_from_module`: "the quant state got lost when the parameter got converted.
+This happens for example for fsdp"): FSDP1 leaves them whole on every rank (`schedule/fsdp1_flat.py`). Every matmul dequantizes
 the full weight to the compute dtype first, forward and backward (`bnb.matmul_4bit`'s `MatMul4Bit` saves
 the quantized weight, not the dequantized one): a weight-sized temporary and a memory-bound kernel.
 """
@@ -29,8 +38,8 @@ from dataclasses import dataclass, replace
 from fsdp_sim.datafile import get_key, reject_unknown_keys
 from fsdp_sim.dtypes import itemsize
 from fsdp_sim.errors import ScenarioError, show
-from fsdp_sim.workload.frozen import (LORA_A, LORA_B, LORA_DROPOUT, QUANT_STATE_SUFFIX, built_from, freeze_where,
-                                      linear_weights)
+from fsdp_sim.workload.frozen import (LORA_A, LORA_B, LORA_DROPOUT, QUANT_STATE_SUFFIX, UNFROZEN, built_from,
+                                      freeze_where, linear_weights)
 from fsdp_sim.workload.kernels import elementwise, gemm
 from fsdp_sim.workload.model import Kernel, Module, Param, Workload
 from fsdp_sim.workload.transformer import BLOCK_RECIPE, recipe_activations
@@ -41,6 +50,8 @@ PEFT_NAMES = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "g
 NF4_BLOCKSIZE = 64  # bitsandbytes quantize_4bit's default blocksize (QLoRA paper, section 3)
 DOUBLE_QUANT_BLOCKSIZE = 256  # quantize_blockwise(absmax, blocksize=256) under compress_statistics
 FP32 = 4
+QUANT_STORAGES = ("uint8", "bf16", "fp16", "fp32")  # Linear4bit(quant_storage=torch.uint8) by default
+LORA_CONFIG = "lora_config"  # Workload.meta: the LoraConfig applied (`autograd_view` re-applies its quantization)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,6 +65,7 @@ class LoraConfig:
     quantize: str | None = None  # None | "nf4"
     double_quant: bool = True
     base_dtype: str = "bf16"
+    quant_storage: str = "uint8"
 
 
 def nf4_bytes(numel: int, double_quant: bool) -> tuple[int, int]:
@@ -63,6 +75,12 @@ def nf4_bytes(numel: int, double_quant: bool) -> tuple[int, int]:
         return (numel + 1) // 2, FP32 * blocks
     scales = blocks + FP32 * -(-blocks // DOUBLE_QUANT_BLOCKSIZE) + FP32  # uint8 absmax, fp32 state2.absmax, offset
     return (numel + 1) // 2, scales
+
+
+def packed_shape(numel: int, quant_storage: str) -> tuple[int, int]:
+    """The shape of the tensor quantize_4bit packs `numel` weights in: ((n + 1) // (itemsize * 2), 1)
+    elements of `quant_storage` (`bitsandbytes/backends/cuda/ops.py`, `quantize_4bit`)."""
+    return (numel + 1) // (itemsize(quant_storage) * 2), 1
 
 
 def apply_lora(wl: Workload, cfg: LoraConfig, where: str = "model.lora") -> Workload:
@@ -83,8 +101,35 @@ def apply_lora(wl: Workload, cfg: LoraConfig, where: str = "model.lora") -> Work
     wl = freeze_where(replace(wl, modules=tuple(modules)), lambda q: ".lora_" not in q.name, cfg.base_dtype,
                       frozenset(reads_input))
     if cfg.quantize:  # once frozen: the blocks' bytes are then what autograd keeps of a frozen base
-        wl = replace(wl, modules=tuple(_quantized(m, cfg, p) if m.is_block else m for m in wl.modules))
-    return wl
+        wl = quantized(wl, cfg)
+    return replace(wl, meta={**wl.meta, LORA_CONFIG: cfg})
+
+
+def quantized(wl: Workload, cfg: LoraConfig) -> Workload:
+    """`wl` with every block's base Linears stored as 4-bit codes and scales (`_quantized`)."""
+    p = itemsize(wl.activation_dtype)
+    return replace(wl, modules=tuple(_quantized(m, cfg, p) if m.is_block else m for m in wl.modules))
+
+
+def autograd_view(wl: Workload, requires_grad: frozenset[str]) -> Workload:
+    """`wl` as autograd runs it when the parameters `requires_grad` names need a gradient and no other does,
+    whatever is trained: FSDP1 with `use_orig_params=True` gives every view of a FlatParameter that requires
+    grad a gradient (`schedule/fsdp1_flat.py`). Re-frozen from the modules before any freezing
+    (`frozen.freeze_where` keeps them), then quantized again as `model.lora` asked. A 4-bit base stays
+    without a gradient: bitsandbytes' `MatMul4Bit.backward` returns none for it and saves only the codes.
+    The parameters keep their flags and dtypes in `wl` (what the optimizer steps); here they only say what
+    autograd computes."""
+    source = wl.meta.get(UNFROZEN)
+    if source is None:
+        return wl
+    modules, dtype, reads_input = source
+    view = freeze_where(replace(wl, modules=modules), lambda q: q.name not in requires_grad, dtype, reads_input)
+    cfg = wl.meta.get(LORA_CONFIG)
+    if cfg is not None and cfg.quantize:
+        view = quantized(view, cfg)
+    times = {m.name: (m.fwd_time_s, m.bwd_time_s) for m in wl.modules}  # a measured module keeps its times
+    return replace(view, modules=tuple(replace(m, fwd_time_s=times[m.name][0], bwd_time_s=times[m.name][1])
+                                       if m.name in times else m for m in view.modules))
 
 
 def _linears(m: Module) -> dict[str, tuple[Kernel, Param]]:
@@ -149,8 +194,8 @@ def _quantized(m: Module, cfg: LoraConfig, p: int) -> Module:
         if q.name not in bases:
             params.append(q)
             continue
-        packed, scales = nf4_bytes(q.numel, cfg.double_quant)
-        params += [Param(q.name, (packed, 1), "uint8", False),
+        _, scales = nf4_bytes(q.numel, cfg.double_quant)
+        params += [Param(q.name, packed_shape(q.numel, cfg.quant_storage), cfg.quant_storage, False),
                    Param(q.name[:-len(".weight")] + QUANT_STATE_SUFFIX, (scales,), "uint8", False)]
         largest = max(largest, q.numel * p)
     kernels = []
@@ -169,7 +214,7 @@ def _quantized(m: Module, cfg: LoraConfig, p: int) -> Module:
 
 
 ADAPTATION_KEYS = ("frozen", "frozen_dtype", "lora")
-_LORA_KEYS = {"rank", "alpha", "targets", "dropout", "quantize", "double_quant"}
+_LORA_KEYS = {"rank", "alpha", "targets", "dropout", "quantize", "double_quant", "quant_storage"}
 
 
 def adapt_workload(wl: Workload, keys: dict) -> Workload:
@@ -188,11 +233,13 @@ def adapt_workload(wl: Workload, keys: dict) -> Workload:
                          targets=_names("model.lora.targets", raw.get("targets", ["q_proj", "v_proj"])),
                          dropout=get_key("model.lora", raw, "dropout", float, 0.0),
                          quantize=get_key("model.lora", raw, "quantize", str, None, choices=("nf4",)),
-                         double_quant=get_key("model.lora", raw, "double_quant", bool, True), base_dtype=dtype)
+                         double_quant=get_key("model.lora", raw, "double_quant", bool, True), base_dtype=dtype,
+                         quant_storage=get_key("model.lora", raw, "quant_storage", str, "uint8", choices=QUANT_STORAGES))
         if not 0 <= cfg.dropout < 1:
             raise ScenarioError(f"model.lora.dropout: expected a probability in [0, 1), got {cfg.dropout}")
-        if "double_quant" in raw and cfg.quantize is None:
-            raise ScenarioError("model.lora.double_quant: only with model.lora.quantize: nf4")
+        for key in ("double_quant", "quant_storage"):
+            if key in raw and cfg.quantize is None:
+                raise ScenarioError(f"model.lora.{key}: only with model.lora.quantize: nf4")
         wl = apply_lora(wl, cfg)
     if "frozen" in keys:
         wl = freeze(wl, _names("model.frozen", keys["frozen"]), dtype)
