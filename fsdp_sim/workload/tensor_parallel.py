@@ -29,6 +29,7 @@ from fsdp_sim.dtypes import itemsize
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.workload.kernels import embedding_kernels
 from fsdp_sim.workload.model import Kernel, Workload
+from fsdp_sim.workload.tp_plans import build_replicated_ends
 from fsdp_sim.workload.transformer import (BLOCK_RECIPE, TransformerDims, block_recipe, build_transformer,
                                            norm_backward_moment, norm_saves, norm_transients, recipe_activations)
 
@@ -110,8 +111,8 @@ def build_tp_transformer(d: TransformerDims, tp: TensorParallel, *, micro_batch:
     k = tp.size
     _check_divisible(d, k, seq_len, tp.sequence_parallel)
     if tp.plan != "torchtitan":
-        from fsdp_sim.workload.tp_plans import build_replicated_ends
-        return build_replicated_ends(d, tp, micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype, name=name)
+        return build_replicated_ends(d, tp_dims(d, k), k, tp.plan, micro_batch=micro_batch, seq_len=seq_len,
+                                     act_dtype=act_dtype, name=name)
     wl = build_transformer(tp_dims(d, k), micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype, name=name)
     meta = wl.meta | {"tp": k, "sequence_parallel": tp.sequence_parallel, "hidden": d.hidden, "tp_plan": tp.plan}
     if not tp.sequence_parallel:

@@ -37,22 +37,20 @@ from fsdp_sim.dtypes import itemsize
 from fsdp_sim.errors import warn
 from fsdp_sim.workload.kernels import elementwise, gemm
 from fsdp_sim.workload.model import Module, Param, Workload
-from fsdp_sim.workload.tensor_parallel import TensorParallel, tp_dims
 from fsdp_sim.workload.transformer import TransformerDims, build_transformer
 
 LOGITS_GATHER = "logits all-gather: cat on the vocabulary"  # the head's kernel after its all-gather (schedule/tp.py)
 
 
-def build_replicated_ends(d: TransformerDims, tp: TensorParallel, *, micro_batch: int, seq_len: int, act_dtype: str,
-                          name: str) -> Workload:
-    """One rank's workload under the `hf` or `blocks` plan (module docstring): blocks on 1/k of the heads and
-    MLP width, the embedding whole, the head whole (`blocks`, a tied `hf` head) or vocabulary-sharded and
-    gathered (`hf`)."""
-    k = tp.size
-    wl = build_transformer(replace(tp_dims(d, k), vocab=d.vocab), micro_batch=micro_batch, seq_len=seq_len,
+def build_replicated_ends(d: TransformerDims, local: TransformerDims, k: int, plan: str, *, micro_batch: int,
+                          seq_len: int, act_dtype: str, name: str) -> Workload:
+    """One rank's workload under the `hf` or `blocks` plan (module docstring), `local` its share of `d`'s heads
+    and MLP width (`tensor_parallel.tp_dims`): blocks on those, the embedding whole, the head whole (`blocks`,
+    a tied `hf` head) or vocabulary-sharded and gathered (`hf`)."""
+    wl = build_transformer(replace(local, vocab=d.vocab), micro_batch=micro_batch, seq_len=seq_len,
                            act_dtype=act_dtype, name=name)
-    meta = wl.meta | {"tp": k, "sequence_parallel": False, "hidden": d.hidden, "tp_plan": tp.plan}
-    if tp.plan == "blocks":
+    meta = wl.meta | {"tp": k, "sequence_parallel": False, "hidden": d.hidden, "tp_plan": plan}
+    if plan == "blocks":
         return replace(wl, meta=meta)
     if d.tie_embeddings:
         warn("parallelism.tp_plan: hf with tied embeddings: the head shares the replicated embedding weight, so it "
