@@ -1,8 +1,10 @@
 """FSDP2's copy-out as torch 2.13 orders it (`FSDPParamGroup.wait_for_unshard`, `_fsdp_param_group.py`):
 
-- in FORWARD with implicit prefetching the previous unit's all-gather result is released
-  (`comm_ctx.all_gather_state = None`) before this unit's copy-out allocates its unsharded parameters, so a
-  forward never holds two all-gather outputs beside the unsharded parameters being made;
+- in FORWARD with implicit prefetching the previous unit's all-gather state is taken and
+  `comm_ctx.all_gather_state` set to None before this unit's copy-out, but the walrus local
+  `prev_all_gather_state` keeps its result alive until the method returns: at each forward copy-out the
+  previous unit's output is still allocated (FSDPMemTracker's forward peak shows it: the LoRA small-batch
+  referee cases in tests/test_lora.py), and it is freed right after;
 - outside FORWARD the output is freed right after the copy-out and the copy-in and all-gather streams wait
   the copy-out's event (`_wait_all_gather_streams_on_event`): the next copy-in cannot run before it.
 """
@@ -25,10 +27,10 @@ def _graph(**fsdp):
 
 @pytest.mark.parametrize("fsdp", [{}, {"reshard_after_forward": False}, {"sharding_strategy": "SHARD_GRAD_OP"},
                                   {"forward_prefetch": 1}])
-def test_a_forward_copy_out_follows_the_release_of_the_previous_all_gather_output(fsdp):
+def test_a_forward_copy_out_runs_beside_the_previous_all_gather_output(fsdp):
     ops = _graph(**fsdp).ops
     live: set[str] = set()
-    checked = 0
+    checked, previous = 0, None
     for op in ops:
         if not op.phase.startswith("forward") or op.kind not in ("alloc", "free"):
             continue
@@ -36,11 +38,14 @@ def test_a_forward_copy_out_follows_the_release_of_the_previous_all_gather_outpu
         if name.endswith("all-gather output"):
             (live.add if op.kind == "alloc" else live.discard)(name)
         elif op.kind == "alloc" and name.endswith("unsharded params"):
-            # at each copy-out only this unit's output is alive, and with forward prefetch the next unit's,
-            # gathered but not yet copied out; never the previous unit's
+            # at each copy-out this unit's output is alive, the previous unit's (held by the walrus local),
+            # and with forward prefetch the next unit's, gathered but not yet copied out
             assert f"{op.buffer.unit} all-gather output" in live
             others = live - {f"{op.buffer.unit} all-gather output"}
-            assert len(others) <= fsdp.get("forward_prefetch", 0), (name, sorted(live))
+            assert len(others) <= 1 + fsdp.get("forward_prefetch", 0), (name, sorted(live))
+            if previous is not None:
+                assert f"{previous} all-gather output" in live, (name, sorted(live))
+            previous = op.buffer.unit
             checked += 1
     assert checked >= 4
 

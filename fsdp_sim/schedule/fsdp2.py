@@ -357,24 +357,29 @@ class FSDP2Runtime(FSDPWalk, GradientReduction):
         self.pending_all_gather[u.name] = (out, ag)
 
     def wait_for_unshard(self, u: Unit, *, in_forward: bool) -> None:
-        """PG:wait_for_unshard (torch 2.13 `_fsdp_param_group.py`): in FORWARD the previous unit's all-gather
-        result is released first (`comm_ctx.all_gather_state = None`, after the all-gather streams wait
-        its copy-out), then this unit's copy-out into the padded per-parameter storages and `_to_unsharded`
-        (which drops an hpZ unit's post-forward copies). In forward this unit's all-gather output is kept
-        as the new `all_gather_state` until the next unit's copy-out; outside it the output is freed at
-        once and the copy-in and all-gather streams wait this copy-out's event."""
+        """PG:wait_for_unshard (torch 2.13 `_fsdp_param_group.py`): the copy-out into the padded per-parameter
+        storages and `_to_unsharded` (which drops an hpZ unit's post-forward copies). In FORWARD the previous
+        unit's all-gather state is taken first (`if prev_all_gather_state := self.comm_ctx.all_gather_state:`,
+        the all-gather streams wait its copy-out, `comm_ctx.all_gather_state = None`), but the walrus local
+        `prev_all_gather_state` still holds its result until the method returns, after this copy-out: so the
+        previous output is freed after this unit's unsharded parameters are allocated (FSDPMemTracker sees
+        both at its forward peak: tests/test_lora.py's small-batch referee cases). This unit's output is
+        then kept as the new `all_gather_state` until the next unit's copy-out; outside forward it is freed
+        at once and the copy-in and all-gather streams wait this copy-out's event."""
         if u.name not in self.pending_all_gather:
             return
         g = self.g
-        if in_forward and self.all_gather_state is not None:
-            self.all_gather_streams_wait = self.all_gather_state[1]
-            g.free(COMPUTE, self.all_gather_state[0])
+        previous = self.all_gather_state if in_forward else None
+        if previous is not None:
+            self.all_gather_streams_wait = previous[1]
             self.all_gather_state = None
         pending = self.pending_all_gather.pop(u.name)
         if pending is None:
             nbytes = self.unit_bytes[u.name].gathered
             self.unsharded[u.name] = g.alloc(COMPUTE, f"{u.name} unsharded params", "unsharded_params", nbytes)
             g.add("copy", COMPUTE, f"{u.name} copy shards to unsharded params", hbm_bytes=2 * nbytes)
+            if previous is not None:
+                g.free(COMPUTE, previous[0])
             return
         out, ag = pending
         # each parameter gets its own storage of its padded size, viewed at its true shape
@@ -382,6 +387,8 @@ class FSDP2Runtime(FSDPWalk, GradientReduction):
         copy_out = g.add("copy", COMPUTE, f"{u.name} all-gather copy-out", deps=(ag,), hbm_bytes=2 * out.nbytes)
         for buf in self.sharded_post_forward.pop(u.name, ()):
             g.free(COMPUTE, buf)
+        if previous is not None:  # `prev_all_gather_state` goes out of scope as the method returns
+            g.free(COMPUTE, previous[0])
         if in_forward:  # kept so that the next copy-in / all-gather never overwrite memory being copied out
             self.all_gather_state = (out, copy_out)
         else:
