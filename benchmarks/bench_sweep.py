@@ -1,4 +1,5 @@
-"""Configurations per second of the 10,000-point llama3-8b sweep (8x H100), in wall and CPU time.
+"""Configurations per second of the 10,000-point llama3-8b sweep (8x H100) and of a mixed 1,000-point one, in
+wall and CPU time.
 
 The grid is `benchmarks/llama3-8b-10k.grid.yaml` over `scenarios/llama3-8b-8xh100.yaml`: micro-batch 1..25 x
 seq_len 1024..16384 (5) x wrap (per block, every 2 / 4 / 8 blocks, whole model) x backward prefetch x
@@ -8,6 +9,11 @@ shuffled order in chunks of CHUNK until the budget is spent, the rate of what ra
 points that allocate alike together, which a chunk of a shuffled order cannot). CPU time is this process's
 and its finished workers' (`resource`), so other work on a shared machine does not count; wall time is
 what a user waits.
+
+The mixed grid, `benchmarks/mixed-1k.grid.yaml` (micro-batch 1..10 x seq_len 1024..16384 x checkpointing x
+backward prefetch x 1..16 nodes), changes what a point allocates or its mesh at almost every step, so its
+points share fewer graphs and replays than the 10,000's: it runs whole, after the 10,000-point grid, on each
+executor.
 
 Then one core's cost per point: parsing, simulating and reducing to a row (against the full `to_dict()`
 a `run` builds), and where a point's time goes by phase over points in a worker's order (cProfile's shares
@@ -43,6 +49,7 @@ from fsdp_sim.sweep import _row, dispatch_order, points, run_point, sweep_points
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = ROOT / "scenarios" / "llama3-8b-8xh100.yaml"
 GRID = ROOT / "benchmarks" / "llama3-8b-10k.grid.yaml"
+MIXED = ROOT / "benchmarks" / "mixed-1k.grid.yaml"
 CHUNK = 1000
 # the phases of a point, as the functions that run them (file suffix, function name)
 PHASES = {"parse": ("fsdp_sim/scenario.py", "parse_scenario"), "graph": ("fsdp_sim/schedule/build.py", "build_step"),
@@ -50,9 +57,9 @@ PHASES = {"parse": ("fsdp_sim/scenario.py", "parse_scenario"), "graph": ("fsdp_s
           "row": ("fsdp_sim/sweep.py", "_row")}
 
 
-def _todo() -> list[dict]:
+def _todo(grid: Path = GRID) -> list[dict]:
     base = read_data(SCENARIO, "scenario")  # read once for the whole sweep
-    todo = [data for _, data in points(base, combine(load_grid(str(GRID)), []))]
+    todo = [data for _, data in points(base, combine(load_grid(str(grid)), []))]
     random.Random(0).shuffle(todo)
     return todo
 
@@ -63,8 +70,8 @@ def _cpu_s() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def throughput(budget_s: float, jobs: int | None, executor: str = "local") -> tuple:
-    todo = _todo()
+def throughput(budget_s: float, jobs: int | None, executor: str = "local", grid: Path = GRID) -> tuple:
+    todo = _todo(grid)
     name, _, scheduler = executor.partition("=")
     t_open = time.perf_counter()
     cpu0 = _cpu_s()
@@ -79,7 +86,7 @@ def throughput(budget_s: float, jobs: int | None, executor: str = "local") -> tu
             done += len(rows)
         elapsed = time.perf_counter() - t0
     cpu = _cpu_s() - cpu0  # workers of a remote cluster are not counted
-    return name, workers, done, len(todo), errors, elapsed, cpu, started
+    return name, workers, done, errors, elapsed, cpu, started
 
 
 def one_core(repeats: int = 30) -> None:
@@ -134,14 +141,16 @@ def main() -> None:
     executors = sys.argv[3].split(",") if len(sys.argv) > 3 else ["local"]
     one_core()
     phases()
-    MEMO.clear()  # a forked worker would start with the replays the phases remembered
-    print(f"{'executor':<12}{'workers':>8}{'points':>9}{'wall s':>9}{'CPU s':>9}{'configs/s':>11}{'configs/CPU s':>15}"
+    print(f"{'grid':<15}{'executor':<12}{'workers':>8}{'points':>9}{'wall s':>9}{'CPU s':>9}{'configs/s':>11}{'configs/CPU s':>15}"
           f"{'s per 10,000':>14}{'CPU s per 10,000':>18}{'errors':>8}{'start-up s':>12}")
-    for executor in executors:
-        name, workers, done, total, errors, wall, cpu, started = throughput(budget, jobs, executor)
-        print(f"{name:<12}{workers:>8}{done:>9,}{wall:>9.1f}{cpu:>9.1f}{done / wall:>11.0f}{done / cpu:>15.0f}"
-              f"{total * wall / done:>14.1f}{total * cpu / done:>18.1f}{errors:>8}{started:>12.1f}")
-    print("(s per 10,000 and CPU s per 10,000 extrapolate the points run to the whole grid)")
+    for grid, budget_s in ((GRID, budget), (MIXED, float("inf"))):
+        for executor in executors:
+            MEMO.clear()  # a forked worker would start with the replays the phases and the last sweep remembered
+            name, workers, done, errors, wall, cpu, started = throughput(budget_s, jobs, executor, grid)
+            print(f"{grid.name.split('.')[0]:<15}{name:<12}{workers:>8}{done:>9,}{wall:>9.1f}{cpu:>9.1f}"
+                  f"{done / wall:>11.0f}{done / cpu:>15.0f}{10_000 * wall / done:>14.1f}{10_000 * cpu / done:>18.1f}"
+                  f"{errors:>8}{started:>12.1f}")
+    print("(s per 10,000 and CPU s per 10,000 extrapolate the points run to 10,000 points of their grid)")
 
 
 if __name__ == "__main__":
