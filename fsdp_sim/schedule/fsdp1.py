@@ -44,7 +44,7 @@ from fsdp_sim.schedule.optimizers import state_bytes
 from fsdp_sim.schedule.settings import FSDPSettings
 from fsdp_sim.schedule.walk import FSDPWalk
 from fsdp_sim.workload.lora import autograd_view
-from fsdp_sim.workload.model import Module, Workload
+from fsdp_sim.workload.model import Module, Workload, derived
 from fsdp_sim.wrap import Unit
 
 __all__ = ["FSDP1Runtime", "build_fsdp1_step", "flat_param_numel"]
@@ -60,11 +60,11 @@ class FSDP1Runtime(FlatGradientReduction, FSDPWalk):
 
     def __init__(self, workload: Workload, units: list[Unit], settings: FSDPSettings) -> None:
         s = settings
-        self.flats = flat_params(units, s)  # refuses what `_validate_tensors_to_flatten` refuses
-        # with use_orig_params every view of a FlatParameter that requires grad gets a gradient
-        requires_grad = autograd_requires_grad(units, self.flats, s) if s.use_orig_params else None
-        trained = frozenset(p.name for p in workload.params if p.trainable)
-        view = autograd_view(workload, requires_grad) if requires_grad and requires_grad != trained else workload
+        # what the FlatParameters are, and the workload autograd runs with them: the same for every point of
+        # a sweep that shares the workload, the units and these settings
+        key = ("fsdp1 flat params", tuple(units), s.storage_dtype, s.param_dtype, s.cast_params, s.use_orig_params,
+               s.shard_size, s.replicate_size, s.sharding_strategy)
+        self.flats, view = derived(workload, key, lambda: _flats_and_view(workload, units, s))
         super().__init__(view, units, settings)
         self.rederived = view is not workload  # schedule/build.py re-prices from the scenario's workload: not this one
         # FSDP1 turns a sharded strategy on a group of one into NO_SHARD (`_init_core_state`)
@@ -422,6 +422,15 @@ class FSDP1Runtime(FlatGradientReduction, FSDPWalk):
             if op.stream == COMPUTE:
                 return op
         return None
+
+
+def _flats_and_view(workload: Workload, units: list[Unit], s: FSDPSettings) -> tuple[dict, Workload]:
+    """Each unit's FlatParameter (refusing what `_validate_tensors_to_flatten` refuses) and the workload as
+    autograd runs it: with use_orig_params every view of a FlatParameter that requires grad gets a gradient."""
+    flats = flat_params(units, s)
+    requires_grad = autograd_requires_grad(units, flats, s) if s.use_orig_params else None
+    trained = frozenset(p.name for p in workload.params if p.trainable)
+    return flats, autograd_view(workload, requires_grad) if requires_grad and requires_grad != trained else workload
 
 
 def build_fsdp1_step(workload: Workload, units: list[Unit], settings: FSDPSettings) -> OpGraph:

@@ -36,7 +36,9 @@ moved with `Params4bit.to`); `quant_state_bytes` sizes them.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
+from functools import lru_cache
 
 from fsdp_sim.dtypes import itemsize
 from fsdp_sim.errors import ScenarioError
@@ -62,15 +64,30 @@ class FlatParam:
     def trained_shards(self, world: int) -> tuple[int, ...]:
         """The trained parameters' elements in one rank's shard (`numel_in_shard`), for the rank that holds
         the most of them: what the optimizer's states are `zeros_like` of with use_orig_params."""
-        size = -(-self.numel // world)
-        best: tuple[int, ...] = ()
-        for rank in range(world):
-            lo, hi = rank * size, (rank + 1) * size
-            ours = tuple(n for n in (min(hi, start + numel) - max(lo, start) for start, numel, trained in self.layout
-                                     if trained) if n > 0)
-            if sum(ours) > sum(best):
-                best = ours
-        return best
+        return _trained_shards(self.layout, self.numel, world)
+
+
+@lru_cache(maxsize=4096)
+def _trained_shards(layout: tuple[tuple[int, int, bool], ...], numel: int, world: int) -> tuple[int, ...]:
+    """`FlatParam.trained_shards`, cached (every point of a sweep rebuilds the same units): the trained
+    elements before each offset by bisection, so a rank's share costs log(parameters), not a pass over them."""
+    starts = [start for start, _, _ in layout]
+    before = [0]  # trained elements before each parameter's start
+    for _, n, trained in layout:
+        before.append(before[-1] + (n if trained else 0))
+
+    def trained_below(x: int) -> int:
+        i = bisect_right(starts, x) - 1
+        if i < 0:
+            return 0
+        start, n, trained = layout[i]
+        return before[i] + (min(x - start, n) if trained else 0)
+
+    size = -(-numel // world)
+    rank = max(range(world), key=lambda r: (trained_below((r + 1) * size) - trained_below(r * size), -r))
+    lo, hi = rank * size, (rank + 1) * size
+    return tuple(n for n in (min(hi, start + numel) - max(lo, start) for start, numel, trained in layout if trained)
+                 if n > 0)
 
 
 def flat_dtype(p: Param, s: FSDPSettings) -> str:
