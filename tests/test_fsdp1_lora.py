@@ -8,9 +8,12 @@ The referee cases (PyTorch's MemTracker on the same jobs) are in test_referee_fs
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 from conftest import scenario_dict
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.scenario import parse_scenario
@@ -236,3 +239,46 @@ def test_mixed_precision_none_runs_in_the_flat_parameters_dtype():
     assert next(op for op in g.ops if op.kind == "all_gather" and op.unit == unit.name).comm_bytes == -(-numel // 4) * 4 * 4
     default = parse_scenario(scenario_dict(MODEL, gpus_per_node=4, fsdp={"version": 1}))
     assert default.settings.param_dtype == "bf16"  # where fsdp-sim's default differs from FSDP1's
+
+
+# ---- every combination leaks nothing ---------------------------------------------------------------------
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_fsdp1_with_frozen_weights_allocates_and_frees_each_buffer_once(data):
+    """Over the wraps and FSDP1's options with LoRA, QLoRA or a frozen prefix: every transient buffer is
+    allocated once and freed once, after its allocation, and the step ends with its persistent state."""
+    wrap, orig = data.draw(st.sampled_from([("peft", False), ("transformer_auto_wrap_policy", True), ("peft", True)]))
+    adaptation = data.draw(st.sampled_from(["lora", "qlora", "prefix"]))
+    fsdp = {"wrap": wrap, "use_orig_params": orig,
+            "sharding_strategy": data.draw(st.sampled_from(["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])),
+            "backward_prefetch": data.draw(st.sampled_from(["BACKWARD_PRE", "BACKWARD_POST", "none"])),
+            "forward_prefetch": data.draw(st.booleans()), "limit_all_gathers": data.draw(st.booleans()),
+            "no_sync": data.draw(st.booleans()),
+            "mixed_precision": {"param_dtype": None} if adaptation == "qlora" else {"param_dtype": "bf16"}}
+    if fsdp["sharding_strategy"] != "NO_SHARD" and data.draw(st.booleans()):
+        fsdp["cpu_offload"] = True
+    training = {"micro_batch": 1, "seq_len": 16, "grad_accumulation": data.draw(st.integers(1, 2)),
+                "activation_checkpointing": data.draw(st.sampled_from(["none", "full"]))}
+    lora = {"lora": LORA | {"dropout": data.draw(st.sampled_from([0.0, 0.1]))}} if adaptation == "lora" else \
+        {"lora": QLORA | {"quant_storage": "bf16"}} if adaptation == "qlora" else {}
+    model = {"frozen": ["tok_embeddings", "layers.0"]} if adaptation == "prefix" else {}
+    store = "bf16" if adaptation == "qlora" else "fp32"
+    frozen = {"frozen_dtype": store}
+    if adaptation == "prefix" and not orig and wrap != "peft":
+        model["frozen"] += ["norm", "output"]  # the root frozen whole: uniform without use_orig_params
+    sc = _scenario(lora.get("lora"), frozen_dtype=store, storage=store, training=training,
+                   model=model | (frozen if adaptation == "prefix" else {}), **fsdp)
+    g = _graph(sc)
+    persistent = {b.id for b in g.persistent}
+    allocs = Counter(op.buffer.id for op in g.ops if op.kind == "alloc")
+    frees = Counter(op.buffer.id for op in g.ops if op.kind == "free")
+    first = {}
+    for op in g.ops:
+        if op.kind == "alloc":
+            first[op.buffer.id] = op.id
+        elif op.kind == "free" and op.buffer.id not in persistent:
+            assert first.get(op.buffer.id, -1) < op.id, op.name
+    for buf in g.buffers:
+        assert (allocs[buf.id], frees[buf.id]) == ((0, 0) if buf.id in persistent else (1, 1)), buf.name
+    r = simulate(sc)
+    assert r.memory.total[-1] == sum(b.nbytes for b in g.persistent)

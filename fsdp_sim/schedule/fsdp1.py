@@ -245,11 +245,11 @@ class FSDP1Runtime(FlatGradientReduction, FSDPWalk):
         so the split waits until the previous unit's backward has run: each prefetched unit's hook comes
         one unit late, after the next unit's gradient kernels and before that next-but-one's pre-backward
         (seen under MemTracker and in the hook order)."""
-        if u.name not in self.local:
-            return
         pending, self.delayed_post_backward = self.delayed_post_backward, None
         if pending is not None:
             self.post_backward_hook(pending)
+        if u.name not in self.local:
+            return
         if u.name not in self.requires_grad:
             self.post_backward_reshard_only(u)
             return
@@ -317,6 +317,9 @@ class FSDP1Runtime(FlatGradientReduction, FSDPWalk):
         order. Returns the op the compute stream waited, for the optimizer step."""
         if self.root.name in self.requires_grad:
             self.post_backward(self.root)
+        pending, self.delayed_post_backward = self.delayed_post_backward, None
+        if pending is not None:  # autograd runs every node before the final callback
+            self.post_backward_hook(pending)
         for u in (*self.unreached, *self.resharded_at_end):  # `_catch_all_reshard`: what is still unsharded
             self.g.unit = u.name
             self.reshard(u, free=self.sharded and (self.reduce_grads or self.s.sharding_strategy in RESHARD_AFTER_FORWARD))
