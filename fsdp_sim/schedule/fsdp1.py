@@ -75,7 +75,6 @@ class FSDP1Runtime(FlatGradientReduction, FSDPWalk):
         self.requires_grad = {name for name, f in self.flats.items() if f.requires_grad}  # flat_param.requires_grad
         self.stored_bytes = {name: itemsize(f.dtype) for name, f in self.flats.items()}  # the FlatParameter's dtype
         self.gathered_bytes = {name: itemsize(compute_dtype(f.dtype, s)) for name, f in self.flats.items()}
-        self.unit_by_name = {u.name: u for u in all_units(units)}
         self.pre_forward_order = [u for u in all_units(units) if u.name in self.local]
         self.pre_forward_index = {u.name: i for i, u in enumerate(self.pre_forward_order)}
         self.nested_in = {v.name: u for u in units for v in u.nested}
@@ -103,6 +102,8 @@ class FSDP1Runtime(FlatGradientReduction, FSDPWalk):
         self.delayed_post_backward: Unit | None = None  # a forward-prefetched unit's hook, run one unit late
 
     def build(self) -> OpGraph:
+        """The step; a graph built from a workload this runtime re-derived is not re-priced from the
+        scenario's (schedule/build.py re-prices compute sites from the workload it was given)."""
         g = super().build()
         if self.rederived:
             g.compute_sites = None
