@@ -16,11 +16,12 @@ from fsdp_sim.datafile import expect_mapping, get_key, read_data, reject_unknown
 from fsdp_sim.deepspeed_words import ZERO_STAGES
 from fsdp_sim.engine.allocator import AllocatorConfig, allocator_config
 from fsdp_sim.dtypes import DTYPE_BYTES
-from fsdp_sim.errors import ScenarioError, one_line, show
+from fsdp_sim.errors import ScenarioError, one_line, show, warn
 from fsdp_sim.hardware.fabric import NETWORK_SCALARS, Network, check_network_value
 from fsdp_sim.hardware.kernels import SDPA_BACKENDS, ComputeOptions
 from fsdp_sim.hardware.profiles import Cluster, load_profile
 from fsdp_sim.hardware.software import rms_norm_kernel
+from fsdp_sim.hardware.variation import DEFAULT_SPREAD, parse_variation
 from fsdp_sim.schedule.clipping import DEFAULT_MAX_NORM
 from fsdp_sim.schedule.optimizers import IMPLEMENTATIONS, OPTIMIZERS, check_optimizer
 from fsdp_sim.schedule.offload import host_memory_key, offload_keys
@@ -57,6 +58,7 @@ class Scenario:
     compute: ComputeOptions = ComputeOptions()
     allocator: AllocatorConfig = AllocatorConfig()  # PYTORCH_CUDA_ALLOC_CONF (engine/allocator.py)
     zero_stage: int | None = None  # fsdp.zero_stage, when the strategy was given in DeepSpeed's words
+    gpu_speed_spread: float = DEFAULT_SPREAD  # variation.gpu_speed_spread (hardware/variation.py)
 
 
 _DIM_KEYS = {f.name for f in fields(TransformerDims)}
@@ -119,8 +121,9 @@ def _workload(model: dict, *, micro_batch: int, seq_len: int, act_dtype: str, ba
     RMSNorm runs `norm_impl` (the torch release's `nn.RMSNorm`) unless `model.norm_impl` says otherwise."""
     sources = [k for k in ("hf_config", "workload") if k in model]
     if sources:
-        if tp.size > 1:
-            raise ScenarioError(f"parallelism.tp: needs a model given by dimensions or a preset, not model.{sources[0]}")
+        if tp.size > 1 and sources[0] != "hf_config":
+            raise ScenarioError(f"parallelism.tp: needs a model given by dimensions, a preset or hf_config, not "
+                                f"model.{sources[0]}")
         if len(model) > 1:
             other = sorted(map(str, set(model) - {sources[0]}))[0]
             raise ScenarioError(f"model.{other}: not allowed beside model.{sources[0]}")
@@ -128,7 +131,7 @@ def _workload(model: dict, *, micro_batch: int, seq_len: int, act_dtype: str, ba
         path = Path(path) if Path(path).is_absolute() else base / path
         if sources[0] == "hf_config":
             from fsdp_sim.workload.hf_config import build_from_hf_config
-            return build_from_hf_config(path, micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype)
+            return build_from_hf_config(path, micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype, tp=tp)
         from fsdp_sim.workload.io import load_workload
         return load_workload(path)
     name, dims = _model_dims(model)
@@ -253,7 +256,7 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     base = base or Path.cwd()
     data = expect_mapping("scenario", data)
     reject_unknown_keys("scenario", data, {"name", "model", "training", "hardware", "fsdp", "compute", "report",
-                                           "allocator", "parallelism"})
+                                           "allocator", "parallelism", "variation"})
     if "model" not in data:
         raise ScenarioError("model: missing (a preset name, transformer dimensions, hf_config or workload)")
     model = data["model"]
@@ -292,6 +295,9 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     gpu = load_profile(_profile_ref(get_key("hardware", hardware, "profile", str), base))
     nodes = get_key("hardware", hardware, "nodes", int, 1, positive=True, maximum=MAX_NODES)
     gpn = get_key("hardware", hardware, "gpus_per_node", int, gpu.gpus_per_node, positive=True, maximum=MAX_GPUS_PER_NODE)
+    if gpn > gpu.gpus_per_node and gpu.fabric.scale_up != "pcie":
+        warn(f"hardware.gpus_per_node: {gpn} is more than the {gpu.name} node's {gpu.gpus_per_node} GPUs (its NVLink "
+             "domain); the fabric is priced as if they all shared it")
     cluster = Cluster(gpu, nodes, gpn, _network(hardware, gpu.fabric.network), host_memory_key(hardware))
     tp = parse_parallelism(data.get("parallelism"), gpn)
     world = cluster.world_size // tp.size  # the data-parallel mesh's ranks (FSDP runs over world / tp)
@@ -393,7 +399,8 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
         settings = replace(settings, version=0)
     return Scenario(name=_name(data, name), workload=workload, units=units, cluster=cluster,
                     settings=settings, wrap=wrap, sharding_strategy=strategy, safety_margin=margin, compute=options,
-                    allocator=allocator_config(expect_mapping("allocator", data.get("allocator"))), zero_stage=zero_stage)
+                    allocator=allocator_config(expect_mapping("allocator", data.get("allocator"))), zero_stage=zero_stage,
+                    gpu_speed_spread=parse_variation(data.get("variation")))
 
 
 def load_scenario(path: str | Path) -> Scenario:

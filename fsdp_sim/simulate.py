@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 
 from fsdp_sim.engine import play, queue_layout, replay
 from fsdp_sim.hardware.costs import OpCosts
+from fsdp_sim.hardware.variation import paced_profile, slowest_rank_factor
 from fsdp_sim.results.analysis import StepResult
 from fsdp_sim.scenario import Scenario
 from fsdp_sim.schedule.build import build_step
@@ -38,7 +40,11 @@ def op_costs(scenario: Scenario) -> OpCosts:
     `reshard_after_forward: k` (hpZ), the post-forward group of k consecutive ranks that the backward
     all-gathers run in."""
     s = scenario.settings
-    return OpCosts(scenario.cluster, shard_size=s.shard_size, replicate_size=s.replicate_size,
+    cluster = scenario.cluster
+    # the step runs at its slowest rank's pace: every collective waits for it (hardware/variation.py)
+    factor = slowest_rank_factor(cluster.world_size, scenario.gpu_speed_spread)
+    cluster = replace(cluster, gpu=paced_profile(cluster.gpu, factor)) if factor != 1.0 else cluster
+    return OpCosts(cluster, shard_size=s.shard_size, replicate_size=s.replicate_size,
                    compute_dtype=s.param_dtype, options=scenario.compute,
                    consecutive_groups={post_forward_group(k): k for k in s.post_forward_sizes},
-                   **tp_pricing(s, scenario.cluster))  # a tensor-parallel mesh's groups (none without TP)
+                   **tp_pricing(s, cluster))  # a tensor-parallel mesh's groups (none without TP)

@@ -257,3 +257,16 @@ def test_shipped_hf_scenarios_run_and_fit(name):
     data = result.to_dict()
     assert result.step_time_s > 0
     assert data["memory"]["fits"], data["memory"]
+
+
+def test_tensor_parallel_runs_on_a_model_given_by_an_hf_config(tmp_path):
+    """scenario.py hands `parallelism` to the HF config builder (workload/hf_config.py `tp=`)."""
+    from pathlib import Path
+
+    from fsdp_sim.scenario import parse_scenario
+
+    config = Path(__file__).resolve().parents[1] / "scenarios" / "hf" / "qwen3-8b.json"
+    data = {"model": {"hf_config": str(config)}, "training": {"micro_batch": 1, "seq_len": 1024},
+            "hardware": {"profile": "h100-sxm", "nodes": 1, "gpus_per_node": 8}, "parallelism": {"tp": 8, "tp_plan": "hf"}}
+    sc = parse_scenario(data)
+    assert sc.settings.tp == 8

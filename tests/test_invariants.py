@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 
 from fsdp_sim.dtypes import DTYPE_BYTES
 from fsdp_sim.hardware.costs import OpCosts
+from fsdp_sim.simulate import op_costs
 from fsdp_sim.schedule.ops import CATEGORIES, COLLECTIVES, TIMED_KINDS
 
 SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -148,8 +149,7 @@ def test_timing_respects_streams_events_and_process_groups(data):
     sc, r = run(data)
     s = sc.settings
     start, end = r.timing.start, r.timing.end
-    costs = OpCosts(sc.cluster, shard_size=s.shard_size, replicate_size=s.replicate_size, compute_dtype=s.param_dtype,
-                    options=sc.compute)
+    costs = op_costs(sc)  # the pricer the simulation used (its GPU paced as the slowest rank's)
     comm = [(start[op.id], end[op.id], op.id) for op in r.graph.ops if op.kind in COLLECTIVES]
     timed = [(start[op.id], end[op.id], op.id) for op in r.graph.ops if op.kind in TIMED_KINDS]
     last_on_stream, last_in_group = {}, {}

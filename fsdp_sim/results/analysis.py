@@ -18,6 +18,7 @@ from fsdp_sim.engine.reserved import CappedReplay
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.hardware.kernels import KernelTimes, select_sdpa_backend
 from fsdp_sim.hardware.software import nccl_buffer_bytes, nccl_version, stack
+from fsdp_sim.hardware.variation import slowest_rank_factor
 from fsdp_sim.scenario import Scenario
 from fsdp_sim.schedule.ops import CATEGORIES, COLLECTIVES, Op, OpGraph
 from fsdp_sim.schedule.settings import post_forward_group
@@ -336,7 +337,10 @@ class StepResult:
                          "gpus_per_node": sc.cluster.gpus_per_node, "world_size": sc.cluster.world_size,
                          # through a long step at the power limit (profiles.Sustained): x the benchmark rates
                          "sustained_compute": sc.cluster.gpu.sustained.compute,
-                         "sustained_memory": sc.cluster.gpu.sustained.memory},
+                         "sustained_memory": sc.cluster.gpu.sustained.memory,
+                         # the step at its slowest rank's pace (hardware/variation.py): compute-bound x this
+                         "gpu_speed_spread": sc.gpu_speed_spread,
+                         "slowest_rank_factor": slowest_rank_factor(sc.cluster.world_size, sc.gpu_speed_spread)},
             "software": stack(sc.compute, select_sdpa_backend(sc.cluster.gpu.arch, sc.compute),  # hardware/software.py
                               wl.meta.get("norm_impl")),
             "fsdp": {"runtime": f"fsdp{s.version}" if s.version else "none", "wrap": sc.wrap, "sharding_strategy": sc.sharding_strategy,

@@ -1,0 +1,75 @@
+"""GPUs of one SKU are not alike, and a synchronous step runs at the pace of its slowest rank.
+
+Per-GPU sustained kernel rates differ by binning and cooling: "5 % and higher" MAMF differences on one
+8-GPU node [C1]; same-SKU GPUs over five clusters vary by 8 % on average, outliers 1.5x slower than the
+median (Sinha et al., arXiv 2208.11035 [V]); six RTX 4090 hosts' short torch.mm rates have a standard
+deviation of 2.6 % of their mean [I6] (in-situ.md 3). FSDP's all-gathers and reduce-scatters synchronise
+every rank of the mesh at every unit, so a rank that is slower sets the step's pace: the others wait for it
+at each collective. With N ranks whose compute-bound rates are independent draws of mean 1 and relative
+spread sigma, the slowest is expected at 1 - k_N sigma, k_N = E[max of N standard normals] (1.42 at 8, 2.34
+at 64, 3.04 at 512), so the representative rank's compute-bound kernels take 1 / (1 - k_N sigma) of their
+time. The default mode carries this cost of scale; memory-bound kernels are not spread (HBM's clock does
+not move with the SMs', in-situ.md 4).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from functools import cache
+
+import numpy as np
+
+from fsdp_sim.datafile import expect_mapping, get_key, reject_unknown_keys
+from fsdp_sim.errors import ScenarioError
+
+# The relative standard deviation of per-GPU sustained GEMM rate: six RTX 4090 hosts, short torch.mm
+# 162.4-173.3 TFLOPS, sd 4.3 of mean 166.6 = 2.6 % [I6] (in-situ.md 3); the one measured standard deviation
+# read, inside the 2-3 % the reference estimates for data-centre parts [est]
+DEFAULT_SPREAD = 0.026
+MAX_SPREAD = 0.2  # a spread whose slowest of 1024 ranks would not run at all (1 - 3.2 x 0.3 < 0.05) is refused
+
+
+@cache
+def expected_max_of_normals(n: int) -> float:
+    """E[max of n independent standard normals] = integral of x n phi(x) Phi(x)^(n-1) dx, numerically (a
+    fine grid over [-10, 10]; n = 1 gives 0, n = 2 gives 1/sqrt(pi))."""
+    if n <= 1:
+        return 0.0
+    x = np.linspace(-10.0, 10.0, 40001)
+    phi = np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+    cdf = 0.5 * (1.0 + np.array([math.erf(v) for v in x / math.sqrt(2.0)]))
+    y = x * n * phi * cdf ** (n - 1)
+    return float(np.sum((y[1:] + y[:-1]) * np.diff(x)) / 2)  # the trapezoid rule
+
+
+def slowest_rank_factor(ranks: int, spread: float) -> float:
+    """How much longer the slowest of `ranks` GPUs takes over compute-bound work than the mean GPU."""
+    return 1.0 / (1.0 - expected_max_of_normals(ranks) * spread) if ranks > 1 and spread > 0 else 1.0
+
+
+_PACED: dict[tuple[int, float], tuple] = {}
+
+
+def paced_profile(gpu, factor: float):
+    """`gpu` as the step's slowest rank runs: compute-bound kernels `factor` times slower. One profile
+    object per (profile, factor), so the kernel prices a sweep shares by profile stay shared."""
+    if factor == 1.0:
+        return gpu
+    key = (id(gpu), factor)
+    entry = _PACED.get(key)
+    if entry is None or entry[0] is not gpu:
+        sustained = replace(gpu.sustained, compute=gpu.sustained.compute / factor)
+        entry = _PACED[key] = (gpu, replace(gpu, sustained=sustained))
+    return entry[1]
+
+
+def parse_variation(raw) -> float:
+    """`variation: {gpu_speed_spread: sigma}`: the relative standard deviation of per-GPU sustained compute
+    rate (default DEFAULT_SPREAD; 0: every GPU alike, no cost of scale)."""
+    raw = expect_mapping("variation", raw)
+    reject_unknown_keys("variation", raw, {"gpu_speed_spread"})
+    spread = get_key("variation", raw, "gpu_speed_spread", float, DEFAULT_SPREAD, maximum=MAX_SPREAD)
+    if spread < 0:
+        raise ScenarioError(f"variation.gpu_speed_spread: {spread} must be zero or more")
+    return spread
