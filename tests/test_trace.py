@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import time
 from dataclasses import replace
 
@@ -32,7 +34,14 @@ def _model(**over):
 
 
 def _trace(dtype="bf16", **over):
-    model = _model(**over)
+    """The traced model and its workload, one trace per configuration for the whole session (workloads are
+    frozen data; the tests read them, never change them)."""
+    return _traced(dtype, tuple(sorted(over.items())))
+
+
+@functools.cache
+def _traced(dtype: str, over: tuple):
+    model = _model(**dict(over))
     return model, trace_module(model, (torch.randint(0, TINY["vocab"], (B, S)),), loss_fn=loss_fn, dtype=dtype)
 
 
