@@ -548,8 +548,11 @@ def m_grid(rng, case):
             spec = [nasty(rng) for _ in range(rng.choice([1, 2]))]
         elif r < 0.65:
             spec = [{"fsdp.wrap": "every_k_blocks", "fsdp.blocks_per_unit": nasty(rng)}, {"fsdp.wrap": "per_block"}]
-        elif r < 0.8:
+        elif r < 0.72:
             spec = {"values": rng.choice([[1, 2], [], "x", None, [nasty(rng)], {"a": 1}])}
+        elif r < 0.85:  # named choices, each a bundle of keys (the techniques grid's shape)
+            spec = {rng.choice(["plain", "a b", "", "x" * 300, "1"]): {rng.choice(GRID_KEYS): nasty(rng)},
+                    "checkpointing": {"training.activation_checkpointing": rng.choice(["full", "none", nasty(rng)])}}
         else:
             spec = nasty(rng)
         grid[key] = spec
@@ -560,8 +563,32 @@ def m_grid(rng, case):
     case.notes.append(f"grid {str(grid)[:120]}")
 
 
+def m_outputs(rng, case):
+    """The other ways in and out: run --set, sweep's row formats and --resume, recommend's --save,
+    --global-batch and --html, run's --html and --trace."""
+    r = rng.random()
+    if r < 0.3:
+        key, value = rng.choice(SET_KEYS), rng.choice(SET_VALUES)
+        case.args += ["--set", rng.choice([f"{key}={value}", f"{key}={value},{value}", key, f"{key}="])]
+    elif r < 0.55:
+        case.command = "sweep"
+        case.sets.append(f"{rng.choice(SET_KEYS)}={rng.choice(SET_VALUES)}")
+        case.args += ["-o", "@" + rng.choice(["rows.csv", "rows.jsonl", "rows.json", "rows"])]
+        if rng.random() < 0.3:
+            case.args.append("--resume")
+    elif r < 0.8:
+        case.command = "recommend"
+        case.sets.append(f"training.micro_batch={rng.choice(['1', '1,2', '2'])}")
+        case.args += rng.choice([["--save", "@best.yaml"], ["--global-batch", rng.choice(["8", "0", "-1", "7", "x"])],
+                                 ["--html", "@r.html"]])
+    else:
+        case.args += [rng.choice(["--html", "--trace"]), "@" + rng.choice(["r.html", "t.json"])]
+    case.notes.append(f"outputs {case.command} {case.args}")
+
+
 MUTATIONS = [(m_value, 14), (m_numeric, 14), (m_choice, 6), (m_key, 5), (m_delete, 4), (m_section, 5), (m_hf, 10),
-             (m_workload, 8), (m_trace, 9), (m_profile, 7), (m_text, 9), (m_path, 2), (m_sweep, 10), (m_cli, 4), (m_grid, 5)]
+             (m_workload, 8), (m_trace, 9), (m_profile, 7), (m_text, 9), (m_path, 2), (m_sweep, 10), (m_cli, 4), (m_grid, 5),
+             (m_outputs, 6)]
 
 
 def make_case(rng: random.Random) -> Case:
