@@ -26,6 +26,10 @@ from fsdp_sim.torch_tools.memtracker_fsdp1 import run_fsdp1_mem_tracker, simulat
 from fsdp_sim.torch_tools.reference_model import ReferenceConfig  # noqa: E402
 from fsdp_sim.torch_tools.referee import BASE  # noqa: E402
 
+# torch's own warning for a use_orig_params unit that mixes requires_grad ("the gradient memory usage will be
+# higher than expected"): what these cases model
+pytestmark = pytest.mark.filterwarnings("ignore:.*has both parameters with requires_grad=True and False:UserWarning")
+
 SMALL = {"batch": 1, "seq": 32}
 TWO = {"layers": 2, "vocab": 512}  # two blocks: a peft-wrapped block is a dozen FSDP instances to track
 QKVO = {"targets": ("q_proj", "k_proj", "v_proj", "o_proj"), "rank": 8}
