@@ -30,15 +30,18 @@ def _tries(data: dict) -> list[tuple[str, dict[str, Any]]]:
     tries = [(f"activation_checkpointing: {mode}", {"training.activation_checkpointing": mode})
              for mode in ("selective_op", "full") if ac != mode and not (ac == "full" and mode == "selective_op")]
     if fsdp.get("version") == 1:
-        tries.append(("CPU offload (cpu_offload=CPUOffload(offload_params=True))", {"fsdp.cpu_offload": True}))
+        offload = ("CPU offload (cpu_offload=CPUOffload(offload_params=True))", {"fsdp.cpu_offload": True})
     else:
-        tries.append(("CPU offload (CPUOffloadPolicy)", {"fsdp.offload_policy": "CPUOffloadPolicy"}))
-    offload = tries[-1]
+        offload = ("CPU offload (CPUOffloadPolicy)", {"fsdp.offload_policy": "CPUOffloadPolicy"})
+    offloaded = all(fsdp.get(k.split(".", 1)[1]) == v for k, v in offload[1].items())
+    if not offloaded:  # a way out is a change: not what the scenario already does
+        tries.append(offload)
     if not (isinstance(model, dict) and "lora" in model):
         tries += [("LoRA r16 on q, k, v, o", {"model.lora": LORA}), ("QLoRA r64 nf4 on every linear", {"model.lora": QLORA})]
     if ac != "full":  # the recipes people combine (Answer.AI's 70B QLoRA: QLoRA, checkpointing and offload)
         full = {"training.activation_checkpointing": "full"}
-        tries.append((f"full checkpointing + {offload[0]}", full | offload[1]))
+        if not offloaded:
+            tries.append((f"full checkpointing + {offload[0]}", full | offload[1]))
         if not (isinstance(model, dict) and "lora" in model):
             tries.append(("full checkpointing + QLoRA r64 nf4", full | {"model.lora": QLORA}))
     return tries

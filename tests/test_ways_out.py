@@ -49,3 +49,8 @@ def test_recommend_says_when_a_way_outside_its_space_fits(tmp_path, capsys):
                  "--set", "training.micro_batch=8", "--set", "fsdp.wrap=per_block", "--jobs", "1"]) == 1
     out = capsys.readouterr().out
     assert "No configuration fits" in out and "Outside this space: the scenario with activation_checkpointing" in out
+
+
+def test_a_way_out_is_a_change_not_what_the_scenario_already_does(tmp_path):
+    offloaded = TOY | {"fsdp": {"offload_policy": "CPUOffloadPolicy"}}
+    assert not [r for r in ways_out(offloaded, tmp_path) if "CPU offload" in r["way"]]
