@@ -192,6 +192,8 @@ def test_mesh_layout_tp_innermost():
     ({"tp": 2, "pp": 2}, "parallelism.pp: unknown key"),
     ({"tp": 8}, "parallelism.tp: 8 does not divide model.kv_heads 4"),
     ({"tp": 2, "sequence_parallel": "yes"}, "parallelism.sequence_parallel: expected true or false"),
+    ({"tp": 2, "tp_plan": "megatron"}, "parallelism.tp_plan: expected one of ['torchtitan', 'hf', 'blocks']"),
+    ({"tp": 2, "tp_plan": "hf", "sequence_parallel": True}, "parallelism.sequence_parallel: true needs tp_plan torchtitan"),
 ])
 def test_refusals(parallelism, message):
     data = scenario_dict(SMALL)

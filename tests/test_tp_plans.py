@@ -87,18 +87,6 @@ def test_full_checkpoint_recompute_reruns_wo_all_reduce(plan):
     assert rec == ["all_reduce"]
 
 
-@pytest.mark.parametrize("parallelism,message", [
-    ({"tp": 2, "tp_plan": "megatron"}, "parallelism.tp_plan: expected one of ['torchtitan', 'hf', 'blocks']"),
-    ({"tp": 2, "tp_plan": "hf", "sequence_parallel": True}, "parallelism.sequence_parallel: true needs tp_plan torchtitan"),
-])
-def test_refusals(parallelism, message):
-    data = scenario_dict(SMALL)
-    data["parallelism"] = parallelism
-    with pytest.raises(ScenarioError) as err:
-        parse_scenario(data)
-    assert str(err.value).startswith(message) and "\n" not in str(err.value)
-
-
 # ---- referees on the CPU ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("plan,sp", [("torchtitan", True), ("torchtitan", False), ("hf", False), ("blocks", False)])
 def test_collectives_agree_with_dtensor(plan, sp):

@@ -101,21 +101,6 @@ def run_plan_fsdp_mem_tracker(cfg, plan: str, *, tp: int, dp: int, **kwargs) -> 
     """`tp_referee.run_tp_fsdp_mem_tracker` with the `hf` or `blocks` plan: FSDPMemTracker on rank 0 of a
     (dp, tp) mesh, `fully_shard` on dp over the planned model, the loss on the whole (replicated) logits
     (no `loss_parallel`); `kwargs` are the harness's (batch, seq, dtypes, ...)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import init_device_mesh
+    from fsdp_sim.torch_tools.tp_referee import run_on_2d_mesh
 
-    from fsdp_sim.torch_tools.memtracker import run_fsdp_mem_tracker
-    from fsdp_sim.torch_tools.tp_referee import _real_mesh_tensors
-
-    meshes = {}
-
-    def mesh_fn():
-        with unset_fake_temporarily():
-            meshes["2d"] = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-            return meshes["2d"]["dp"]
-
-    def prepare(model) -> None:
-        apply_plan(model, meshes["2d"]["tp"], plan)
-
-    with _real_mesh_tensors():
-        return run_fsdp_mem_tracker(cfg, world_size=dp * tp, mesh_fn=mesh_fn, prepare_model=prepare, **kwargs)
+    return run_on_2d_mesh(cfg, lambda model, mesh: apply_plan(model, mesh, plan), tp=tp, dp=dp, **kwargs)

@@ -55,9 +55,18 @@ def apply_tp(model, tp_mesh, *, sequence_parallel: bool = True) -> None:
 def run_tp_fsdp_mem_tracker(cfg, *, tp: int, dp: int, sequence_parallel: bool = True, **kwargs) -> dict[str, Any]:
     """`run_fsdp_mem_tracker` on a (dp, tp) mesh of dp x tp fake ranks, under `loss_parallel()` (the loss and
     its backward on vocabulary-sharded logits); `kwargs` are the harness's (batch, seq, dtypes, ...)."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel():
+        return run_on_2d_mesh(cfg, lambda model, mesh: apply_tp(model, mesh, sequence_parallel=sequence_parallel),
+                              tp=tp, dp=dp, **kwargs)
+
+
+def run_on_2d_mesh(cfg, parallelize, *, tp: int, dp: int, **kwargs) -> dict[str, Any]:
+    """`run_fsdp_mem_tracker` on rank 0 of a (dp, tp) mesh of fake ranks: `parallelize(model, tp_mesh)` before
+    `fully_shard` on the dp dimension (a TP plan: torchtitan's here, transformers' in tp_plan_referee.py)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import loss_parallel
 
     from fsdp_sim.torch_tools.memtracker import run_fsdp_mem_tracker
 
@@ -68,11 +77,9 @@ def run_tp_fsdp_mem_tracker(cfg, *, tp: int, dp: int, sequence_parallel: bool = 
             meshes["2d"] = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
             return meshes["2d"]["dp"]
 
-    def prepare(model) -> None:
-        apply_tp(model, meshes["2d"]["tp"], sequence_parallel=sequence_parallel)
-
-    with loss_parallel(), _real_mesh_tensors():
-        return run_fsdp_mem_tracker(cfg, world_size=dp * tp, mesh_fn=mesh_fn, prepare_model=prepare, **kwargs)
+    with _real_mesh_tensors():
+        return run_fsdp_mem_tracker(cfg, world_size=dp * tp, mesh_fn=mesh_fn,
+                                    prepare_model=lambda model: parallelize(model, meshes["2d"]["tp"]), **kwargs)
 
 
 @contextlib.contextmanager
