@@ -10,8 +10,6 @@ from collections import Counter
 import pytest
 from conftest import run, scenario_dict
 
-from fsdp_sim.errors import ScenarioError
-from fsdp_sim.scenario import parse_scenario
 from fsdp_sim.schedule.tp import TP_GATHER, TP_GROUP
 from fsdp_sim.workload.tensor_parallel import TensorParallel, build_tp_transformer
 from fsdp_sim.workload.transformer import TransformerDims
