@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_sim.grid import Axis
-from fsdp_sim.results.report import fit_word, fmt_bytes, fmt_time, tally
+from fsdp_sim.results.report import fit_word, fmt_bytes, fmt_time, tally, verdict_word
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.scenario import MAX_GRAD_ACCUMULATION, MAX_NODES, STRATEGIES, parse_scenario
 
@@ -187,9 +187,9 @@ def recommend(rows: list[dict], keys: list[str], *, top: int = 3, written: dict 
     written (`written`: its columns) and what the best changes from it (`change`)."""
     ok = [r for r in rows if not r.get("error")]
     fitting = sorted((r for r in ok if r["within_budget"]), key=_rank)  # fits and keeps the safety margin
-    words = [fit_word(r) for r in ok]
+    words = [verdict_word(r) for r in ok]
     counts = {"configurations": len(rows), "fits": words.count("fits"), "margin": words.count("margin"),
-              "no": words.count("no"), "errors": len(rows) - len(ok)}  # fit_word's words, as every output says
+              "no": words.count("no"), "errors": len(rows) - len(ok)}  # the verdict words every output uses
     out = {"keys": keys, "counts": counts, "tally": tally(rows), "best": None, "limit": None, "reason": "",
            "next_faster": None, "runners_up": [], "without_retries": None,
            "as_written": _as_written(rows, keys, written), "change": None}

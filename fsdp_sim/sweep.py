@@ -86,7 +86,7 @@ def _row(result) -> dict:
             "within_budget": mem["within_budget"], "headroom_bytes": mem["headroom_bytes"],
             "allocator_retries_per_step": capped.retries_per_step if capped is not None else 0, "communication_exposed_s": exposed,
             "overlap_fraction": overlap, "mfu": mfu, "cpu_bound_s": result.cpu_bound_s(),
-            "peak_phase": op.phase if op else "before step", "error": ""}
+            "peak_phase": op.phase if op else "before step", "knife_edge": mem["knife_edge"], "error": ""}
 
 
 def run_point(data: dict, base: Path) -> dict:

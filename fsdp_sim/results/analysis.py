@@ -308,9 +308,14 @@ class StepResult:
         if not (s.offload_params and s.version == 2):  # CPUOffloadPolicy keeps no sharded gradient on the GPU
             grads = CATEGORIES.index("sharded_grads")
             persistent["sharded_grads"] = max(persistent["sharded_grads"], int(self.memory.levels[:, grads].max()))
+        # a knife edge: the live tensors fit the GPU, but what the allocator reserves with room to spare would
+        # not, so its placement under the GPU's limit (release the cache and retry, or run out with the free
+        # blocks too fragmented for a request: engine/allocator.py, as c10's malloc) decides the verdict
+        overhead = gpu.cuda_context_bytes + nccl
+        knife_edge = allocated + overhead <= gpu.memory_bytes < int(peak["reserved_bytes"]) + overhead
         return {"capacity_bytes": gpu.memory_bytes, "safety_margin": margin, "budget_bytes": budget,
                 "required_bytes": required, "fits": required <= gpu.memory_bytes, "within_budget": required <= budget,
-                "headroom_bytes": budget - required,
+                "headroom_bytes": budget - required, "knife_edge": knife_edge,
                 "persistent_bytes": {c: v for c, v in persistent.items() if v},
                 "nccl_groups_bytes": groups,
                 "overheads_bytes": {"cuda_context": gpu.cuda_context_bytes, "nccl": nccl,

@@ -7,7 +7,7 @@ GiB, MiB = 1 << 30, 1 << 20
 # is the point's settings
 COLUMNS = ("step_time_s", "tokens_per_s_per_gpu", "tokens_per_step", "peak_allocated_bytes", "peak_reserved_bytes",
            "required_bytes", "fits", "within_budget", "headroom_bytes", "allocator_retries_per_step",
-           "communication_exposed_s", "overlap_fraction", "mfu", "cpu_bound_s", "peak_phase", "error")
+           "communication_exposed_s", "overlap_fraction", "mfu", "cpu_bound_s", "peak_phase", "knife_edge", "error")
 
 
 def fmt_bytes(n: float) -> str:
@@ -20,18 +20,27 @@ def fmt_time(s: float) -> str:
 
 def fit_word(row: dict) -> str:
     """One verdict word per configuration, the same in every output: fits (within the budget), margin (runs,
-    but inside the safety margin), no (does not fit)."""
+    but inside the safety margin), no (does not fit); `(edge)` after it where the caching allocator's
+    placement decided it (`memory.knife_edge`)."""
+    word = verdict_word(row)
+    return word + " (edge)" if row.get("knife_edge") else word
+
+
+def verdict_word(row: dict) -> str:
+    """fits, margin or no, without the knife-edge mark (what the tallies count)."""
     return "fits" if row["within_budget"] else "margin" if row["fits"] else "no"
 
 
 def tally(rows: list[dict]) -> str:
     """How many configurations fit, run only inside the margin, do not fit and failed, in fit_word's words."""
     ok = [r for r in rows if not r.get("error")]
-    words = [fit_word(r) for r in ok]
+    words = [verdict_word(r) for r in ok]
     counts = [f"{words.count('fits')} fit", *([f"{words.count('margin')} only inside the safety margin"]
                                                if "margin" in words else []), f"{words.count('no')} do not"]
+    edges = sum(bool(r.get("knife_edge")) for r in ok)
     failed = len(rows) - len(ok)
-    return f"{len(rows)} configurations: {', '.join(counts)}" + (f", {failed} failed" if failed else "")
+    return (f"{len(rows)} configurations: {', '.join(counts)}" + (f", {failed} failed" if failed else "")
+            + (f" ({edges} on a knife edge: the allocator's placement decides)" if edges else ""))
 
 
 def verdict(mem: dict) -> str:
@@ -125,6 +134,14 @@ def summary(d: dict) -> str:
         f"process groups: {', '.join(mem['nccl_groups_bytes']) or 'none'})  -> {verdict(mem)}, "
         f"headroom {fmt_bytes(mem['headroom_bytes'])}",
     ]
+    if mem.get("knife_edge"):  # the verdict rests on the caching allocator's placement (analysis.memory_summary)
+        live, roomy = (fmt_bytes(d["peak"][k] + over["cuda_context"] + over["nccl"])
+                       for k in ("allocated_bytes", "reserved_bytes"))
+        lines.append(f"  knife edge         the live tensors need {live} with the overheads, and with room to spare the "
+                     f"allocator would reserve {roomy}: on this GPU "
+                     + (f"it fits only by releasing its cache and retrying, {d['allocator']['retries_per_step']} "
+                        "times a step" if mem["fits"] else
+                        "it runs out of memory, its cached free blocks too fragmented for a request"))
     parts = contributors(d)
     lines.append("  per GPU, by kind   " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts.items())
                  + " (they sum to required)")
