@@ -1,9 +1,10 @@
 """`fsdp-sim run SCENARIO [--set KEY=VALUE ...] [--json F] [--trace F] [--timeline-csv F] [--memory-snapshot F]
 [--plot F] [--html F] [--require-fit]`;
 `fsdp-sim sweep SCENARIO [--grid GRID] [--set KEY=V1,V2 ...] [-o rows.csv|.json|.jsonl [--resume]] [--plot F]`;
-`fsdp-sim recommend SCENARIO [--grid GRID] [--max-batch] [--json F] [--save F.yaml] [--plot F]`
+`fsdp-sim recommend SCENARIO [--grid GRID] [--max-batch] [--global-batch N] [--json F] [--save F.yaml] [--plot F]`
 (both `[--html F] [--executor local|dask|dask-local] [--scheduler ADDRESS]`);
-`fsdp-sim trace package.module:factory --batch B --seq S -o workload.yaml`; `fsdp-sim --version`.
+`fsdp-sim trace package.module:factory --batch B --seq S -o workload.yaml`;
+`fsdp-sim topology SCENARIO -o cluster.graphml [--topology rail_optimized|fat_tree] [--spines N]`; `fsdp-sim --version`.
 
 Argument parsing, file writing and error messages; nothing else. Bad input (`ScenarioError`) becomes one
 line on stderr and exit code 2; a result a script should stop on (a step that does not fit under
