@@ -318,6 +318,9 @@ def _recommend_rows(args: argparse.Namespace) -> int:
     if rec["best"] is None:
         if args.quiet:
             return 1
+        if rec["limit"] != "memory":  # every point failed: the error says why, no way out to look for
+            print(f"fsdp-sim: no configuration fits ({rec['limit']})", file=sys.stderr)
+            return 1
         from fsdp_sim.ways_out import first_fitting, ways_out  # nothing in the space fits: does a way outside it?
 
         way = first_fitting(ways_out(base, folder)) if isinstance(base, dict) else None

@@ -65,6 +65,9 @@ def batch_axis(base: dict, scenario, global_batch: int) -> Axis:
     micro_batch x grad_accumulation x data-parallel ranks (the world over the TP degree) = global_batch,
     at 1/8 to 8 times the scenario's nodes. The scenario's own combination first when it gives that batch."""
     cluster, s = scenario.cluster, scenario.settings
+    if isinstance(base.get("model"), dict) and "workload" in base["model"]:
+        raise ScenarioError("--global-batch: a traced workload fixed its micro-batch (model.workload); trace it "
+                            "again at another batch to change it")
     options = []
     for factor in NODE_FACTORS:
         nodes = cluster.nodes * factor

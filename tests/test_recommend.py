@@ -288,3 +288,9 @@ def test_a_fixed_global_batch_trades_micro_batch_for_accumulation_and_gpus(tmp_p
     path, grid = _files(tmp_path)
     assert main(["recommend", path, "--grid", grid, "--global-batch", "16"]) == 2
     assert "--global-batch" in capsys.readouterr().err
+
+
+def test_global_batch_refuses_a_traced_workload_in_one_line(capsys):
+    assert main(["recommend", "scenarios/tinyllama-1b-traced-8xa100-40gb.yaml", "--global-batch", "64"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--global-batch: a traced workload fixed its micro-batch" in err
