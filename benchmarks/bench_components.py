@@ -89,7 +89,6 @@ def attention() -> None:
 
 
 def memory_bound() -> None:
-    h100 = load_profile("h100-sxm")
     for kind, shape, nbytes, ref, src in [
         ("norm", (4096, 16384), 0, 0.54, "torch.nn.RMSNorm fwd 4096x16384 on H100 [C5]"),
         ("activation", (8192, 32768), 0, 0.32, "eager silu(a)*b on H100 [C5]"),

@@ -34,7 +34,7 @@ def default_axes(base: dict, folder: Path, *, micro_batch: bool = True, global_b
     wrap = [{"fsdp.wrap": "per_block"}]
     wrap += [{"fsdp.wrap": "every_k_blocks", "fsdp.blocks_per_unit": k} for k in (2, 4) if k < blocks]
     wrap += [{"fsdp.wrap": "whole_model"}]
-    world, gpn = cluster.world_size, cluster.gpus_per_node
+    gpn = cluster.gpus_per_node
     # the 1-D strategies shard over every rank (their default shard size), whatever the node count
     sharding = [{"fsdp.sharding_strategy": "FULL_SHARD", "fsdp.reshard_after_forward": True},
                 {"fsdp.sharding_strategy": "SHARD_GRAD_OP", "fsdp.reshard_after_forward": False}]

@@ -16,7 +16,6 @@ from conftest import padded_shard_numel, run, scenario_dict, scenario_dicts
 from hypothesis import HealthCheck, given, settings
 
 from fsdp_sim.dtypes import DTYPE_BYTES
-from fsdp_sim.hardware.costs import OpCosts
 from fsdp_sim.simulate import op_costs
 from fsdp_sim.schedule.ops import CATEGORIES, COLLECTIVES, TIMED_KINDS
 
@@ -147,7 +146,6 @@ def test_timing_respects_streams_events_and_process_groups(data):
     starts after every op it waits on; collectives of one process group run one at a time in issue order
     (one NCCL lane per group)."""
     sc, r = run(data)
-    s = sc.settings
     start, end = r.timing.start, r.timing.end
     costs = op_costs(sc)  # the pricer the simulation used (its GPU paced as the slowest rank's)
     comm = [(start[op.id], end[op.id], op.id) for op in r.graph.ops if op.kind in COLLECTIVES]

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fsdp_sim.workload.kernels import elementwise, norm
-from fsdp_sim.workload.model import Kernel, Module, Param, Workload
+from fsdp_sim.workload.model import Module, Param, Workload
 from fsdp_sim.workload.transformer import TransformerDims, norm_saves, norm_transients
 
 SANDWICH = ("gemma2", "gemma3_text")
