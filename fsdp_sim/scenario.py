@@ -87,6 +87,8 @@ def _model_dims(raw: dict) -> tuple[str, TransformerDims]:
 MAX_BYTES = 1 << 50  # 1 PiB: far beyond any GPU, and within the ledger's exact integer range
 MAX_TOTAL_BYTES = 1 << 56  # all modules' parameters, grads, optimizer states and activations: int64 keeps headroom
 MAX_MODULE_PASSES = 5000  # modules x micro-batches: about 60 ops each, a few seconds of simulation in all
+# past MAX_MODULE_PASSES, a step of many micro-batches is priced from this many (results/folded.py)
+FOLDED_MICRO_BATCHES = 3
 MAX_MICRO_BATCH, MAX_GRAD_ACCUMULATION = 1 << 20, 4096
 MAX_NODES, MAX_GPUS_PER_NODE = 1 << 16, 1024
 
@@ -103,16 +105,23 @@ def _module_bytes(workload: Workload) -> tuple[int, int]:
 
 def _check_scale(workload: Workload, grad_accumulation: int = 1) -> None:
     """Refuse sizes no GPU step has (a typo such as hidden: 1e9), before they overflow the arithmetic, and
-    a step whose simulation would run past MAX_MODULE_PASSES modules x micro-batches."""
+    a step whose simulation would run past MAX_MODULE_PASSES modules x micro-batches even folded (a step of
+    many micro-batches is simulated with FOLDED_MICRO_BATCHES: `folds`)."""
     largest, total = derived(workload, "module bytes", lambda: _module_bytes(workload))
     if largest > MAX_BYTES or total > MAX_TOTAL_BYTES:
         what = (f"a module of {show(workload.name)} would need {largest / (1 << 50):.3g} PiB" if largest > MAX_BYTES
                 else f"{show(workload.name)} would need {total / (1 << 50):.3g} PiB in all")
         raise ScenarioError(f"model: {what}; check the model dimensions and training.micro_batch / seq_len")
-    passes = len(workload.modules) * grad_accumulation
+    passes = len(workload.modules) * min(grad_accumulation, FOLDED_MICRO_BATCHES)
     if passes > MAX_MODULE_PASSES:
-        raise ScenarioError(f"training.grad_accumulation: {len(workload.modules):,} modules x {grad_accumulation:,} "
-                            f"micro-batches is past the limit of {MAX_MODULE_PASSES:,} module passes per step")
+        raise ScenarioError(f"model: {len(workload.modules):,} modules x {min(grad_accumulation, FOLDED_MICRO_BATCHES)} "
+                            f"micro-batches simulated is past the limit of {MAX_MODULE_PASSES:,} module passes per step")
+
+
+def folds(workload: Workload, grad_accumulation: int) -> bool:
+    """Whether the step is priced from FOLDED_MICRO_BATCHES micro-batches (results/folded.py): every
+    micro-batch simulated would run past MAX_MODULE_PASSES module passes."""
+    return len(workload.modules) * grad_accumulation > MAX_MODULE_PASSES
 
 
 def _workload(model: dict, *, micro_batch: int, seq_len: int, act_dtype: str, base: Path,

@@ -9,14 +9,27 @@ from fsdp_sim.engine import play, queue_layout, replay
 from fsdp_sim.hardware.costs import OpCosts
 from fsdp_sim.hardware.variation import paced_profile, slowest_rank_factor
 from fsdp_sim.results.analysis import StepResult
-from fsdp_sim.scenario import Scenario
+from fsdp_sim.results.folded import FoldedResult
+from fsdp_sim.scenario import FOLDED_MICRO_BATCHES, Scenario, folds
 from fsdp_sim.schedule.build import build_step
 from fsdp_sim.schedule.settings import post_forward_group
 from fsdp_sim.schedule.tp import tp_pricing
 
 
 def simulate(scenario: Scenario) -> StepResult:
-    """Simulate one training step of `scenario` on one representative rank.
+    """Simulate one training step of `scenario` on one representative rank; a step of more micro-batches
+    than MAX_MODULE_PASSES allows is priced from two and three of them (results/folded.py)."""
+    n = scenario.settings.grad_accumulation
+    if not folds(scenario.workload, n):
+        return _simulate(scenario)
+    two, three = (_simulate(replace(scenario, settings=replace(scenario.settings, grad_accumulation=k)))
+                  for k in (FOLDED_MICRO_BATCHES - 1, FOLDED_MICRO_BATCHES))
+    return FoldedResult(scenario, three.graph, three.timing, three.memory, three.alone_s, three.alone_duration,
+                        twin=two, micro_batches=n)
+
+
+def _simulate(scenario: Scenario) -> StepResult:
+    """Simulate one training step of `scenario` on one representative rank, every micro-batch.
 
     The cyclic garbage collector is paused meanwhile: a step creates thousands of small acyclic
     objects (ops, buffers, events), and collection passes over them are pure overhead in a sweep.

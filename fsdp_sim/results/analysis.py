@@ -135,13 +135,18 @@ class StepResult:
         ids = np.fromiter((op.id for op in ops), dtype=np.intp, count=len(ops))
         return _merge(self.timing.start[ids], self.timing.end[ids])
 
-    def exposed_communication(self) -> tuple[float, float]:
-        """(seconds some collective runs while no compute-stream kernel does, the share of the time some
-        collective runs that compute runs too): `communication()`'s exposed_s and overlap_fraction."""
+    def _exposure(self) -> tuple[float, float]:
+        """(seconds some collective runs while no compute-stream kernel does, seconds some collective runs)."""
         busy, collectives, _, _ = self._activity()
         comm = self._union(collectives)
         active = _length(comm)
-        exposed = max(0.0, active - _intersection(comm, busy))
+        return max(0.0, active - _intersection(comm, busy)), active
+
+    def exposed_communication(self) -> tuple[float, float]:
+        """(seconds some collective runs while no compute-stream kernel does, the share of the time some
+        collective runs that compute runs too): `communication()`'s exposed_s and overlap_fraction."""
+        exposed, active = self._exposure()
+        exposed = max(0.0, exposed)
         return exposed, min(1.0, max(0.0, 1 - exposed / active)) if active > 0 else 1.0
 
     def communication(self) -> dict:

@@ -89,6 +89,9 @@ def summary(d: dict) -> str:
         "",
         f"Step time            {fmt_time(d['step_time_s'])}   {tp['tokens_per_s_per_gpu']:.0f} tokens/s per GPU, "
         f"{tp['tokens_per_step']} tokens per step",
+        *([f"  folded             {f['grad_accumulation']} micro-batches priced from "
+           f"{comp['folded']['micro_batches_simulated']}: each middle one adds {fmt_time(comp['folded']['middle_micro_batch_s'])}"]
+          if "folded" in comp else []),
         f"Compute busy         {fmt_time(comp['busy_s'])}   MFU {100 * comp['mfu']:.1f} %",
         f"  alone on the GPU   matmul {fmt_time(br['matmul_s'])}, attention {fmt_time(br['attention_s'])}, "
         f"memory-bound {fmt_time(br['memory_bound_s'])}",
