@@ -17,8 +17,8 @@ from fsdp_sim.schedule.tp import tp_pricing
 
 
 def simulate(scenario: Scenario) -> StepResult:
-    """Simulate one training step of `scenario` on one representative rank; a step of more micro-batches
-    than MAX_MODULE_PASSES allows is priced from two and three of them (results/folded.py)."""
+    """Simulate one training step of `scenario` on one representative rank; a step of more than three
+    micro-batches is priced from two and three of them (results/folded.py)."""
     n = scenario.settings.grad_accumulation
     if not folds(scenario.workload, n):
         return _simulate(scenario)

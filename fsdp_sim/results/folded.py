@@ -2,9 +2,8 @@
 
 Gradient accumulation repeats the same forward and backward: every micro-batch between the first and the
 last issues the same ops, allocates the same buffers and meets the same streams (the first starts from an
-idle GPU, the last reduces and steps). So where simulating every one would run past the scenario's
-module-pass limit (`scenario.MAX_MODULE_PASSES`), the step is simulated with two and with three
-micro-batches, and each additive figure of n micro-batches is the three-batch figure plus n - 3 times what
+idle GPU, the last reduces and steps). So a step of more than three is simulated with two and with three
+micro-batches (`scenario.folds`; any count then costs about two simulations), and each additive figure of n micro-batches is the three-batch figure plus n - 3 times what
 the middle one added (the three-batch figure less the two-batch one): step time, busy and idle time by
 cause, communication time, exposure and bytes. Memory is the three-batch step's: the middle micro-batches
 hold what the middle one holds. Ratios (overlap, MFU, throughput) follow from the extrapolated figures.
