@@ -37,3 +37,15 @@ def test_offloaded_sharded_gradients_are_not_reported_on_the_gpu():
         d = _run(accumulation).to_dict()
         assert "sharded_grads" not in d["memory"]["persistent_bytes"]
         assert d["host"]["by_category_per_rank"]["sharded_grads"] > 0
+
+
+def test_the_optimizer_states_on_the_host_are_pageable():
+    """torch.optim's states are `zeros_like` of the pinned shards, which does not pin: the host section says
+    how much of a rank's host memory is pinned (shards, gradients, save_on_cpu copies) beside the total."""
+    h = _run(1).to_dict()["host"]
+    parts = h["by_category_per_rank"]
+    assert h["pinned_per_rank_bytes"] == h["per_rank_bytes"] - parts["optimizer_states"] - parts.get("optimizer_temporaries", 0)
+    assert 0 < h["pinned_per_rank_bytes"] < h["per_rank_bytes"]
+    sc = parse_scenario(scenario_dict(MODEL, training={"micro_batch": 2, "seq_len": 256, "activation_offload": True}))
+    only_activations = simulate(sc).to_dict()["host"]
+    assert only_activations["pinned_per_rank_bytes"] == only_activations["per_rank_bytes"]  # save_on_cpu pins

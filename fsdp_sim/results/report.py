@@ -169,8 +169,9 @@ def host_lines(d: dict) -> list[str]:
     parts = ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for k, v in h["by_category_per_rank"].items())
     return [
         "",
-        f"Host memory (pinned) {fmt_bytes(h['per_node_bytes'])} per node = {h['ranks_per_node']} GPUs x "
-        f"{fmt_bytes(h['per_rank_bytes'])} per rank ({parts})",
+        f"Host memory          {fmt_bytes(h['per_node_bytes'])} per node = {h['ranks_per_node']} GPUs x "
+        f"{fmt_bytes(h['per_rank_bytes'])} per rank ({parts}); pinned {fmt_bytes(h['pinned_per_rank_bytes'])} per rank, "
+        "the optimizer's states pageable",
         f"  node has           {fmt_bytes(h['capacity_bytes'])}  -> {verdict}; over {h['link']} per rank: "
         f"H2D {fmt_bytes(h['h2d_bytes_per_rank'])}, D2H {fmt_bytes(h['d2h_bytes_per_rank'])}",
         f"  on the CPU         {fmt_time(h['cpu_s'])} (optimizer step, gradient adds); save_on_cpu copies on the "
