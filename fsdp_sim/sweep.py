@@ -24,7 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from fsdp_sim.datafile import read_data
+from fsdp_sim.datafile import expect_mapping, read_data
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.executors import check as check_executor, open_runner
 from fsdp_sim.grid import SECTIONS, Axis, columns, combinations, combine, load_grid, parse_assignment
@@ -214,7 +214,9 @@ def dispatch_order(datas: list[dict]) -> list[int]:
 
 def with_assignments(base: dict, assignments: Iterable[str]) -> dict:
     """`base` with each `--set KEY=VALUE` applied (`run`'s what-if: one value per key, else a sweep's job)."""
-    data = copy.deepcopy(base)
+    if not assignments:
+        return base
+    data = copy.deepcopy(expect_mapping("scenario", base))
     for text in assignments:
         key, values = parse_assignment(text)
         if len(values) != 1:

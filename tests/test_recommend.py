@@ -253,6 +253,15 @@ def test_run_set_is_a_what_if_without_a_new_file(tmp_path, capsys):
     assert "run takes one value" in capsys.readouterr().err
 
 
+def test_run_set_on_a_scenario_that_is_no_mapping_is_one_line(tmp_path, capsys):
+    """A scenario file holding a list: --set has no section to write into; one line and exit 2, as without it."""
+    path = tmp_path / "list.yaml"
+    path.write_text("[]\n")
+    assert main(["run", str(path), "--set", "model.dropout=true"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "fsdp-sim: error: scenario: expected a mapping, got list"
+
+
 @pytest.mark.parametrize("grid", [False, True])
 def test_recommend_save_writes_the_winner_which_run_reproduces(tmp_path, grid):
     path, grid_file = _files(tmp_path)
