@@ -25,7 +25,7 @@ from pathlib import Path
 import simpy
 
 from fsdp_sim.engine import reserved
-from fsdp_sim.hardware import compute, kernels, profiles
+from fsdp_sim.hardware import compute, kernels, profiles, variation
 from fsdp_sim.scenario import load_scenario
 from fsdp_sim.schedule import build, optimizers, param_dtypes
 from fsdp_sim.simulate import simulate
@@ -38,16 +38,19 @@ ROOT = Path(__file__).resolve().parents[1]
 def clear_memos() -> None:
     """Empty every memo this process keeps between steps: the allocator replays and their digests, the
     last build (a sweep's twin graphs, which share `OpGraph.derived`), the kernel prices, what is derived
-    from a workload, the unit shards, the remembered workloads, recipes, kernels, GEMM factors and profiles."""
+    from a workload, the unit shards, the remembered workloads, recipes, kernels, GEMM factors, profiles and
+    the slowest rank's paced profiles and k_N (the normal grid they integrate over is a table of the
+    standard normal, the same for every scenario, like an import, so it stays)."""
     reserved.MEMO.clear()
     for thread_local in (reserved._last_key, reserved._last_order, build._last):
         thread_local.__dict__.clear()
     compute._SHARED.clear()
+    variation._PACED.clear()
     model._BY_WORKLOAD.clear()
     param_dtypes._UNIT_SHARDS.clear()
     for cached in (optimizers._state_bytes, transformer._from_recipe, transformer._gemm_shapes,
                    transformer._shared_block_params, transformer.build_transformer, moe.moe_kernels,
-                   kernels.gemm_shape_factor, profiles.load_profile):
+                   kernels.gemm_shape_factor, profiles.load_profile, variation.expected_max_of_normals):
         cached.cache_clear()
 
 

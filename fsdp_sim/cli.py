@@ -204,19 +204,23 @@ def _stopped(args: argparse.Namespace, what: str) -> str:
     return what
 
 
-def _sweep(args: argparse.Namespace) -> int:
-    """`fsdp-sim sweep`: Ctrl-C exits 130 and a dead worker 1, each with one line (the rows that finished are
-    in the -o file already, for --resume)."""
+def _stoppable(rows, args: argparse.Namespace) -> int:
+    """A sweep (`sweep`, `recommend`): Ctrl-C exits 130 and a dead worker 1, each with one line (a sweep's
+    finished rows are in its -o file already, for --resume)."""
     from fsdp_sim.executors import WorkerLost
 
     try:
-        return _sweep_rows(args)
+        return rows(args)
     except KeyboardInterrupt:
         print(f"fsdp-sim: {one_line(_stopped(args, 'interrupted'))}", file=sys.stderr)
         return 130
     except WorkerLost as exc:
         print(f"fsdp-sim: error: {one_line(_stopped(args, str(exc)))}", file=sys.stderr)
         return 1
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    return _stoppable(_sweep_rows, args)
 
 
 def _sweep_rows(args: argparse.Namespace) -> int:
@@ -265,17 +269,7 @@ def _none_fits(row: dict, keys: list[str]) -> str:
 
 
 def _recommend(args: argparse.Namespace) -> int:
-    """`fsdp-sim recommend`: a sweep, stopped by Ctrl-C (130) or a dead worker (1) with one line."""
-    from fsdp_sim.executors import WorkerLost
-
-    try:
-        return _recommend_rows(args)
-    except KeyboardInterrupt:
-        print("fsdp-sim: interrupted", file=sys.stderr)
-        return 130
-    except WorkerLost as exc:
-        print(f"fsdp-sim: error: {one_line(str(exc))}", file=sys.stderr)
-        return 1
+    return _stoppable(_recommend_rows, args)
 
 
 def _recommend_rows(args: argparse.Namespace) -> int:

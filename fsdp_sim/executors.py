@@ -64,6 +64,15 @@ def _run_chunk(fn: Callable, chunk: list) -> list:
     return [fn(x) for x in chunk]
 
 
+def _deliver(out: list, start: int, results: list, done, tick: Tick) -> None:
+    """A finished chunk's results into their places from `start`, told to `done` (rows written as they
+    finish) and counted on the progress bar."""
+    out[start:start + len(results)] = results
+    if done is not None:
+        done(range(start, start + len(results)), results)
+    tick(len(results))
+
+
 def _no_tick(n: int) -> None:
     pass
 
@@ -110,11 +119,7 @@ class ProcessRunner:
                     results = future.result()
                 except BrokenProcessPool:
                     raise WorkerLost("a worker process died (killed, or out of memory?)") from None
-                start = futures[future]
-                out[start:start + len(results)] = results
-                if done is not None:
-                    done(range(start, start + len(results)), results)
-                tick(len(results))
+                _deliver(out, futures[future], results, done, tick)
             finished = True
         finally:
             if not finished:  # Ctrl-C, a dead worker, or `done` raised: end now, not after the queued chunks
@@ -163,11 +168,7 @@ class DaskRunner:
         try:
             # as they finish; a lost worker's tasks run again elsewhere and arrive later (the module's docstring)
             for future, results in _gathered(distributed, futures):
-                i = start[future.key]
-                out[i:i + len(results)] = results
-                if done is not None:
-                    done(range(i, i + len(results)), results)
-                tick(len(results))
+                _deliver(out, start[future.key], results, done, tick)
         finally:
             self.client.cancel(futures)
         return out

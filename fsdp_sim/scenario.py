@@ -118,7 +118,7 @@ def _check_scale(workload: Workload, grad_accumulation: int = 1) -> None:
                             f"micro-batches simulated is past the limit of {MAX_MODULE_PASSES:,} module passes per step")
 
 
-def folds(workload: Workload, grad_accumulation: int) -> bool:
+def folds(grad_accumulation: int) -> bool:
     """Whether the step is priced from FOLDED_MICRO_BATCHES micro-batches (results/folded.py): it has more,
     and the middle ones are alike, so any count costs about two simulations."""
     return grad_accumulation > FOLDED_MICRO_BATCHES

@@ -20,7 +20,7 @@ def simulate(scenario: Scenario) -> StepResult:
     """Simulate one training step of `scenario` on one representative rank; a step of more than three
     micro-batches is priced from two and three of them (results/folded.py)."""
     n = scenario.settings.grad_accumulation
-    if not folds(scenario.workload, n):
+    if not folds(n):
         return _simulate(scenario)
     two, three = (_simulate(replace(scenario, settings=replace(scenario.settings, grad_accumulation=k)))
                   for k in (FOLDED_MICRO_BATCHES - 1, FOLDED_MICRO_BATCHES))

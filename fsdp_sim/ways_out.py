@@ -26,6 +26,7 @@ QLORA = {"rank": 64, "alpha": 16, "targets": "all-linear", "dropout": 0.05, "qua
 def _tries(data: dict) -> list[tuple[str, dict[str, Any]]]:
     training, fsdp = data.get("training") or {}, data.get("fsdp") or {}
     model = data.get("model")
+    adapted = isinstance(model, dict) and "lora" in model  # LoRA / QLoRA already: not a way out
     ac = training.get("activation_checkpointing", "none")
     tries = [(f"activation_checkpointing: {mode}", {"training.activation_checkpointing": mode})
              for mode in ("selective_op", "full") if ac != mode and not (ac == "full" and mode == "selective_op")]
@@ -36,13 +37,13 @@ def _tries(data: dict) -> list[tuple[str, dict[str, Any]]]:
     offloaded = all(fsdp.get(k.split(".", 1)[1]) == v for k, v in offload[1].items())
     if not offloaded:  # a way out is a change: not what the scenario already does
         tries.append(offload)
-    if not (isinstance(model, dict) and "lora" in model):
+    if not adapted:
         tries += [("LoRA r16 on q, k, v, o", {"model.lora": LORA}), ("QLoRA r64 nf4 on every linear", {"model.lora": QLORA})]
     if ac != "full":  # the recipes people combine (Answer.AI's 70B QLoRA: QLoRA, checkpointing and offload)
         full = {"training.activation_checkpointing": "full"}
         if not offloaded:
             tries.append((f"full checkpointing + {offload[0]}", full | offload[1]))
-        if not (isinstance(model, dict) and "lora" in model):
+        if not adapted:
             tries.append(("full checkpointing + QLoRA r64 nf4", full | {"model.lora": QLORA}))
     return tries
 

@@ -46,7 +46,7 @@ def test_64_micro_batches_of_an_80_layer_model_run():
                                                  "activation_checkpointing": "full"},
             "hardware": {"profile": "h100-sxm", "nodes": 8, "gpus_per_node": 8}}
     sc = parse_scenario(data)
-    assert scenario_module.folds(sc.workload, 64)
+    assert scenario_module.folds(64)
     d = simulate(sc).to_dict()
     three = simulate(parse_scenario(data | {"training": data["training"] | {"grad_accumulation": 3}})).to_dict()
     assert d["throughput"]["tokens_per_step"] == 64 * 2048 * 64

@@ -78,3 +78,12 @@ def test_a_bad_spread_is_one_line():
     with pytest.raises(ScenarioError, match="variation.gpu_speed_spread"):
         _run(8, spread=0.5)
 
+
+
+def test_the_largest_spread_on_the_largest_mesh_still_runs():
+    """MAX_SPREAD keeps the slowest rank's rate positive on the largest world a scenario admits."""
+    from fsdp_sim.hardware.variation import MAX_SPREAD
+    from fsdp_sim.scenario import MAX_GPUS_PER_NODE, MAX_NODES
+
+    factor = slowest_rank_factor(MAX_NODES * MAX_GPUS_PER_NODE, MAX_SPREAD)
+    assert 1 < factor < 10
