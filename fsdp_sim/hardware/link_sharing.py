@@ -85,13 +85,19 @@ def share_links(graph: nx.DiGraph, flights: Sequence[InFlight], *, rule: str = "
         busbw, bottleneck = _max_min(caps, flights)
     else:
         busbw, bottleneck = _proportional(caps, flights, alone)
+    link_Bps = _link_Bps(flights, busbw)
+    utilisation = {e: (bps / caps[e] if caps[e] > 0 else math.inf) for e, bps in link_Bps.items()}
+    return Sharing(tuple(busbw), alone, tuple(bottleneck), dict(link_Bps), utilisation)
+
+
+def _link_Bps(flights: Sequence[InFlight], busbw: Sequence[float]) -> dict[Edge, float]:
+    """Bytes/s each link carries when every flight runs at its busbw (one that crosses no link, inf, adds none)."""
     link_Bps: dict[Edge, float] = defaultdict(float)
     for f, bw in zip(flights, busbw):
         if math.isfinite(bw):
             for e, load in f.loads.items():
                 link_Bps[e] += load * bw
-    utilisation = {e: (bps / caps[e] if caps[e] > 0 else math.inf) for e, bps in link_Bps.items()}
-    return Sharing(tuple(busbw), alone, tuple(bottleneck), dict(link_Bps), utilisation)
+    return link_Bps
 
 
 def spmd_busbw_Bps(graph: nx.DiGraph, kind: str, group: ProcessGroup, *, node_stride: int = 1,
@@ -130,11 +136,7 @@ def _max_min(caps: dict[Edge, float], flights: Sequence[InFlight]) -> tuple[list
 def _proportional(caps: dict[Edge, float], flights: Sequence[InFlight],
                   alone: tuple[float, ...]) -> tuple[list[float], list[Edge | None]]:
     """`shared_slowdown`'s rule on the graph's links: each slowed by its most over-asked link."""
-    asked: dict[Edge, float] = defaultdict(float)
-    for f, bw in zip(flights, alone):
-        if math.isfinite(bw):
-            for e, load in f.loads.items():
-                asked[e] += load * bw
+    asked = _link_Bps(flights, alone)
     busbw, bottleneck = [], []
     for f, bw in zip(flights, alone):
         over = max(((asked[e] / caps[e], e) for e in f.loads if caps[e] > 0), default=(1.0, None))
