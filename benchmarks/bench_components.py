@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from fsdp_sim.hardware.collectives import ProcessGroup, collective_time
 from fsdp_sim.hardware.costs import NCCL_HBM_TRAFFIC_PER_LINK_BYTE
-from fsdp_sim.hardware.kernels import (ComputeOptions, attention_tflops, gemm_time, kernels_time, memory_efficiency,
-                                       select_sdpa_backend)
+from fsdp_sim.hardware import kernel_data as kd
+from fsdp_sim.hardware.kernels import (ComputeOptions, attention_tflops, eager_memory, fallback_generation, gemm_time,
+                                       kernels_time, memory_efficiency, select_sdpa_backend)
 from fsdp_sim.hardware.profiles import load_profile, profile_names
 from fsdp_sim.workload.kernels import block_kernels
 from fsdp_sim.workload.presets import PRESETS
@@ -89,18 +90,43 @@ def attention() -> None:
 
 
 def memory_bound() -> None:
-    for kind, shape, nbytes, ref, src in [
-        ("norm", (4096, 16384), 0, 0.54, "torch.nn.RMSNorm fwd 4096x16384 on H100 [C5]"),
-        ("activation", (8192, 32768), 0, 0.32, "eager silu(a)*b on H100 [C5]"),
-        ("elementwise", (), 126e6, 0.70, "torch.maximum 126 MB on H200 [C18]"),
-        ("cross_entropy", (16384, 131072), 0, 0.41, "HF cross-entropy fwd on A100 [C5]"),
+    for name, kind, shape, nbytes, ref, src in [
+        ("h100-sxm", "norm", (4096, 16384), 0, 0.54, "torch.nn.RMSNorm fwd 4096x16384 on H100 [C5]"),
+        ("a100-80gb", "norm", (4096, 16384), 0, 1.0596e12 / 2.039e12, "nn.LayerNorm fwd fp32 4096x16384 on A100 [C5]"),
+        ("h100-sxm", "activation", (8192, 32768), 0, 0.32, "eager silu(a)*b on H100 [C5]"),
+        ("h200", "elementwise", (), 126e6, 0.70, "torch.maximum 126 MB on H200 [C18]"),
+        ("mi300x", "elementwise", (), 2**32, 3205e9 / 5.3e12, "torch.sum 4.3 GB on MI300X [E1]"),
+        ("a100-80gb", "cross_entropy", (16384, 131072), 0, 0.41, "HF cross-entropy fwd on A100 [C5]"),
+        ("b200", "rope", (8192, 8192), 0, 268435456 / 0.8675e-3 / 8.0e12, "eager rotate_half RoPE q+k on B200 [E2]"),
     ]:
-        row(f"{kind} {shape or f'{nbytes / 1e6:.0f} MB'} fraction of HBM peak", "", ref,
-            lambda b, kind=kind, shape=shape, nbytes=nbytes: memory_efficiency(kind, shape, nbytes, fused=False)
-            * profile("h100-sxm", b).sustained.memory, src)
+        arch = load_profile(name).arch
+        row(f"{kind} {shape or f'{nbytes / 1e6:.0f} MB'} on {name}, fraction of HBM peak", "", ref,
+            lambda b, name=name, kind=kind, shape=shape, nbytes=nbytes, arch=arch:
+            memory_efficiency(kind, shape, nbytes, False, arch) * profile(name, b).sustained.memory, src)
     row("RMSNorm torch.compile 32Kx4K on h100", "GB/s", 2300,
-        lambda b: memory_efficiency("norm", (32768, 4096), 0, fused=True) * profile("h100-sxm", b).memory_Bps / 1e9,
+        lambda b: memory_efficiency("norm", (32768, 4096), 0, True, "sm90") * profile("h100-sxm", b).memory_Bps / 1e9,
         "Quack figure [C17]")
+
+
+# the size at which each kind's eager fraction is shown per profile: a Llama-3-8B-like row width, 126 MB moved
+EAGER_SHOWN = (("norm", (8192, 4096), 0), ("norm_unfused", (8192, 4096), 0), ("rope", (8192, 8192), 0),
+               ("activation", (8192, 14336), 0), ("cross_entropy", (8192, 128256), 0), ("elementwise", (), 126e6))
+
+
+def eager_by_profile() -> None:
+    """Each profile's eager memory-bound fractions of HBM peak (benchmark rates), its generation's own
+    measurement or another's standing in (*, the gap), and where each figure was measured."""
+    print("\neager memory-bound kernels, fraction of HBM peak on ideal bytes (* = another generation's figure: a gap)")
+    print(f"{'profile':<16}{'arch':<8}" + "".join(f"{k:>15}" for k, _, _ in EAGER_SHOWN))
+    for name in profile_names():
+        arch = load_profile(name).arch
+        cells = [f"{memory_efficiency(kind, shape, nbytes, False, arch):.3f}{'' if eager_memory(kind, arch).own else '*':1}"
+                 for kind, shape, nbytes in EAGER_SHOWN]
+        print(f"{name:<16}{arch:<8}" + "".join(f"{c:>15}" for c in cells))
+    for kind in kd.EAGER_MEMORY:
+        for arch in kd.EAGER_MEMORY[kind]:
+            print(f"  {kind} on {arch} ({kd.GENERATIONS[arch]}): {eager_memory(kind, arch).source}")
+        print(f"  {kind} elsewhere: {kd.GENERATIONS[fallback_generation(kind)]}'s figure, the gap named")
 
 
 def collectives() -> None:
@@ -163,6 +189,7 @@ def main() -> None:
         ratio = model / ref if ref == ref and ref else float("nan")
         print(f"{component:<66}{unit:>7}{ref:>11.4g}{model:>10.4g}{ratio:>10.2f}{sustained:>10.4g}  {src}")
     sustained_rates()
+    eager_by_profile()
 
 
 if __name__ == "__main__":

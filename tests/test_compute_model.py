@@ -103,17 +103,22 @@ def test_attention_backward_is_2_5x_its_forward_flops():
 
 
 def test_memory_bound_kernels_at_their_measured_efficiency():
-    assert memory_efficiency("norm", (8192, 4096), 0, fused=False) == pytest.approx(0.62)
-    assert memory_efficiency("activation", (8192, 32768), 0, fused=False) == pytest.approx(0.32)
-    assert memory_efficiency("elementwise", (), 63e6, fused=False) == pytest.approx(0.58)
+    """On H100 (sm90), the generation the eager figures were measured on (tests/test_eager_generations.py
+    holds the others)."""
+    assert memory_efficiency("norm", (8192, 4096), 0, fused=False, arch="sm90") == pytest.approx(0.62)
+    assert memory_efficiency("activation", (8192, 32768), 0, fused=False, arch="sm90") == pytest.approx(0.32)
+    assert memory_efficiency("elementwise", (), 63e6, fused=False, arch="sm90") == pytest.approx(0.58)
     # fused, by row width: torch.compile RMSNorm 2,300 / 1,800 / 1,500 GB/s of 3,350 at 4K / 16K / 131K [C17],
     # Liger SwiGLU 83 % at ffn 4096 and 91 % at 32768 [C5]
-    assert [memory_efficiency("norm", (32768, w), 0, fused=True) for w in (4096, 16384, 131072)] == \
+    assert [memory_efficiency("norm", (32768, w), 0, fused=True, arch="sm90") for w in (4096, 16384, 131072)] == \
         pytest.approx([0.69, 0.537, 0.448])
-    assert [memory_efficiency("activation", (8192, w), 0, fused=True) for w in (4096, 32768)] == pytest.approx([0.83, 0.91])
-    # torch.compile's fused kernels reach more of HBM
-    for kind in ("norm", "norm_unfused", "rope", "activation", "cross_entropy"):
-        assert memory_efficiency(kind, (8192, 4096), 1e8, fused=True) > memory_efficiency(kind, (8192, 4096), 1e8, fused=False)
+    assert [memory_efficiency("activation", (8192, w), 0, fused=True, arch="sm90") for w in (4096, 32768)] == \
+        pytest.approx([0.83, 0.91])
+    # torch.compile's fused kernels reach more of HBM, on every generation
+    for arch in ("sm80", "sm90", "sm100", "gfx942", "sm89"):
+        for kind in ("norm", "norm_unfused", "rope", "activation", "cross_entropy"):
+            assert memory_efficiency(kind, (8192, 4096), 1e8, fused=True, arch=arch) > \
+                memory_efficiency(kind, (8192, 4096), 1e8, fused=False, arch=arch)
 
 
 def test_swiglu_recompute_stops_before_w2():

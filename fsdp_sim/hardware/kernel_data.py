@@ -87,21 +87,49 @@ A100_BF16_PEAK, H100_BF16_PEAK = 312.0e12, 989.4e12  # [S7]
 # Achieved fraction of HBM peak on ideal bytes (each input read, each output written once), eager PyTorch,
 # as (size key, fraction) points; the key is the row width (hidden / ffn) or, for `elementwise`, bytes moved.
 # Liger-Kernel's benchmark CSV [C5 all_benchmark_data.csv, component-timing §3.2] and TileOPs [C18, §3.3].
+# By GPU generation (a profile's `arch`), each with where it was measured: a generation without a
+# measurement of a kind takes FALLBACK_ARCH's (H100's) figure, or, for a kind H100 was not measured on, the
+# one generation's that was, and says so (kernels.py `eager_memory`).
+FALLBACK_ARCH = "sm90"
+GENERATIONS = {"sm80": "A100", "sm90": "H100/H200", "sm100": "B200", "gfx942": "MI300X"}
+# eager elementwise by bytes moved: H200 torch.maximum 25 / 63 / 126 MB at 38 / 58 / 70 % [C18 TileOPs#512];
+# device memcpy on A100-40GB 85.5 % (FlagPerf) [S22], taken at 1 GB (transfer size not stated: assumed).
+# One curve from two generations: H100/H200 has no large-copy point, A100 no small-size one (both gaps).
+_ELEMENTWISE = ((25e6, 0.38), (63e6, 0.58), (126e6, 0.70), (1e9, 0.855))
+# MI300X against H100 on one eager kernel timed by the same script, torch.sum of 2^30 fp32 (4.3 GB) after
+# ROCm's reduce fix (torch 2.5): 3,205 GB/s of 5,300 on MI300X, 3,136 of 3,350 on H100 SXM [E1 pytorch#135397]
+MI300X_VS_H100_ELEMENTWISE = (3205 / 5300) / (3136 / 3350)  # 0.646
 EAGER_MEMORY = {
-    # torch.nn.RMSNorm fwd bf16, H100: 4096x4096 2.07 TB/s (62 %), 4096x16384 1.80 TB/s (54 %) [C5]
-    "norm": ((4096, 0.62), (16384, 0.54)),
+    "norm": {
+        # torch.nn.RMSNorm fwd bf16, H100, 4096 rows: 4096 wide 2.07 TB/s (62 %), 16384 wide 1.80 TB/s (54 %) [C5]
+        "sm90": (((4096, 0.62), (16384, 0.54)), "torch.nn.RMSNorm fwd bf16 on H100 [C5]"),
+        # nn.LayerNorm fwd fp32, A100-80GB, 4096 rows (ideal 8 B a value): 4096 wide 0.1218 ms = 1.10 TB/s
+        # (54.0 %), 16384 wide 0.5067 ms = 1.06 TB/s (52.0 %) [C5]; A100's native fused norm (no fused RMSNorm
+        # measured on A100); on H100 the same LayerNorm benchmark and RMSNorm agree at 16384 (52 vs 54 %) [C5]
+        "sm80": (((4096, 0.540), (16384, 0.520)), "nn.LayerNorm fwd fp32 on A100-80GB [C5]"),
+    },
     # HF LlamaRMSNorm fwd bf16, A100-80GB: 2048x4096 6 %, 2048x32768 0.14 TB/s (7 %) [C5]
-    "norm_unfused": ((4096, 0.06), (32768, 0.07)),
-    # HF rotary embedding fwd, A100-80GB, s=2048, 32 q / 8 kv heads, hidden 8192: 0.517 ms for ~84 MB
-    # (q and k read and written once, batch 1 assumed) = 162 GB/s, 8 % of 2,039 [C5; calc]
-    "rope": ((8192, 0.08),),
+    "norm_unfused": {"sm80": (((4096, 0.06), (32768, 0.07)), "HF LlamaRMSNorm fwd bf16 on A100-80GB [C5]")},
+    "rope": {
+        # HF rotary embedding fwd, A100-80GB, s=2048, 32 q / 8 kv heads, hidden 8192: 0.517 ms for ~84 MB
+        # (q and k read and written once, batch 1 assumed) = 162 GB/s, 8 % of 2,039 [C5; calc]
+        "sm80": (((8192, 0.08),), "HF rotate_half rotary embedding fwd on A100-80GB [C5]"),
+        # eager rotate_half RoPE on q and k (4, 2048, 32, 128) bf16, B200: 8.675 ms for 10 iterations, 100
+        # launches; 268 MB ideal (q and k read and written once) in 0.8675 ms = 309 GB/s, 3.9 % of 8.0 TB/s
+        # [E2 pytorch#176223; calc]; q + k width 8192, the key of A100's point
+        "sm100": (((8192, 0.0387),), "eager rotate_half RoPE fwd bf16 on B200 [E2]"),
+    },
     # eager silu(a) * b fwd bf16, H100, 8192 tokens: ffn 4096 1.02 TB/s (30 %), ffn 32768 1.08 TB/s (32 %) [C5]
-    "activation": ((4096, 0.30), (32768, 0.32)),
+    # (Liger's A100 swiglu / geglu rows time the whole MLP, GEMMs included: no A100 figure for the activation)
+    "activation": {"sm90": (((4096, 0.30), (32768, 0.32)), "eager silu(a)*b fwd bf16 on H100 [C5]")},
     # HF cross-entropy fwd on fp32 logits, A100-80GB, 16384 x 131072: 20.7 ms for 17.2 GB = 41 % [C5; calc]
-    "cross_entropy": ((131072, 0.41),),
-    # eager elementwise by bytes moved: H200 torch.maximum 25 / 63 / 126 MB at 38 / 58 / 70 % [C18 TileOPs#512];
-    # device memcpy on A100-40GB 85.5 % (FlagPerf) [S22], taken at 1 GB (transfer size not stated: assumed)
-    "elementwise": ((25e6, 0.38), (63e6, 0.58), (126e6, 0.70), (1e9, 0.855)),
+    "cross_entropy": {"sm80": (((131072, 0.41),), "HF cross-entropy fwd fp32 on A100-80GB [C5]")},
+    "elementwise": {
+        "sm90": (_ELEMENTWISE, "torch.maximum on H200 to 126 MB [C18]; above, A100's memcpy [S22] (gap)"),
+        "sm80": (_ELEMENTWISE, "memcpy on A100-40GB at 1 GB [S22]; below 126 MB, H200's torch.maximum [C18] (gap)"),
+        "gfx942": (tuple((x, f * MI300X_VS_H100_ELEMENTWISE) for x, f in _ELEMENTWISE),
+                   "H100/H200 curve x 0.646, MI300X vs H100 torch.sum 4.3 GB [E1] (the ratio assumed at every size)"),
+    },
 }
 # What a fused kernel reaches (torch.compile where measured, else the fused Triton kernel of the same op)
 FUSED_MEMORY = {
@@ -117,8 +145,7 @@ FUSED_MEMORY = {
     # torch.compile 2.7.1 cross-entropy fp32 32K x 32K ~3,150 GB/s of 3,350 [C17]; taken for bf16 logits
     # too, where it measured ~1,700 (32K) and ~1,230 (131K) GB/s (component-timing 3.1): not told apart
     "cross_entropy": ((32768, 0.94),),
-    "elementwise": EAGER_MEMORY["elementwise"],
-}
+}  # a plain copy (`elementwise`) stays the eager kernel under torch.compile
 
 # ---- host (CPU) cost per kernel launch ------------------------------------------------------------------
 EAGER_FORWARD_LAUNCH_S = 8e-6  # eager `add` on A100, submit only: 8 us per op (Python + dispatcher + launch) [C22 FlagGems PR]

@@ -10,8 +10,9 @@ are in `kernel_data.py`.
 - Attention: the SDPA backend torch picks on that GPU (`sdpa_backend`), at its measured forward and
   backward throughput by sequence length, head dim and causality (causal FLOPs halved, as flash-attention's
   benchmarks count them). A GPU without a table of its own takes the fraction of peak of the nearest one.
-- Memory-bound kinds: ideal bytes at the measured fraction of HBM peak of eager kernels, or of fused ones
-  under `torch_compile` (which also makes every memory-bound chain one launch).
+- Memory-bound kinds: ideal bytes at the measured fraction of HBM peak of eager kernels on the GPU's
+  generation (H100's where that generation was not measured, the gap named: `eager_memory`), or of fused
+  ones under `torch_compile` (which also makes every memory-bound chain one launch).
 - Host: every launch costs the CPU issue thread its eager (or Inductor) launch cost.
 """
 
@@ -192,8 +193,39 @@ def _log_interp(points: tuple, x: float) -> float:
     return points[-1][1]
 
 
-def memory_efficiency(kind: str, kernel_shape: tuple, nbytes: float, fused: bool) -> float:
-    points = (kd.FUSED_MEMORY if fused else kd.EAGER_MEMORY)[kind]
+@dataclass(frozen=True, slots=True)
+class EagerFractions:
+    """What eager kernels of one kind reach on one GPU generation: (size key, fraction of HBM peak) points,
+    where they were measured, and whether they are that generation's own (False: another generation's
+    figure stands in, and `source` names the gap)."""
+
+    points: tuple[tuple[float, float], ...]
+    source: str
+    own: bool
+
+
+@cache
+def eager_memory(kind: str, arch: str) -> EagerFractions:
+    """The eager fractions of HBM peak for `kind` on the generation `arch`: its own measurement where one
+    exists, else H100's (`kd.FALLBACK_ARCH`), else the one generation's that was measured."""
+    measured = kd.EAGER_MEMORY[kind]
+    if arch in measured:
+        return EagerFractions(*measured[arch], own=True)
+    gen = fallback_generation(kind)
+    points, source = measured[gen]
+    return EagerFractions(points, f"gap: no {arch} measurement, {kd.GENERATIONS[gen]}'s: {source}", own=False)
+
+
+def fallback_generation(kind: str) -> str:
+    """The generation whose eager figure for `kind` stands in where a GPU's own was not measured."""
+    measured = kd.EAGER_MEMORY[kind]
+    return kd.FALLBACK_ARCH if kd.FALLBACK_ARCH in measured else next(iter(measured))
+
+
+def memory_efficiency(kind: str, kernel_shape: tuple, nbytes: float, fused: bool, arch: str) -> float:
+    """Fraction of HBM peak a memory-bound kernel of `kind` reaches on generation `arch`: under
+    `torch_compile` the fused kernel's (measured on H100 only), else the eager one's for that generation."""
+    points = kd.FUSED_MEMORY[kind] if fused and kind in kd.FUSED_MEMORY else eager_memory(kind, arch).points
     key = nbytes if kind == "elementwise" or not kernel_shape else kernel_shape[-1]
     return _log_interp(points, key)
 
@@ -243,7 +275,7 @@ def kernels_time(gpu, kernels: tuple[Kernel, ...], pass_: str, dtype: str, optio
             out.launches += k.bwd_launches if backward else k.launches
         else:
             nbytes = k.bwd_bytes if backward else k.bytes
-            eff = memory_efficiency(k.kind, k.shape, nbytes, options.torch_compile)
+            eff = memory_efficiency(k.kind, k.shape, nbytes, options.torch_compile, gpu.arch)
             out.memory += nbytes / (gpu.memory_Bps * eff)
             launches = k.bwd_launches if backward else k.launches
             out.launches += min(launches, 1) if options.torch_compile else launches
@@ -258,7 +290,8 @@ def launch_cost_s(backward: bool, options: ComputeOptions) -> float:
 
 
 def elementwise_time(gpu, nbytes: float) -> float:
-    """A plain copy / cast / foreach pass of `nbytes` at the eager elementwise efficiency for its size."""
+    """A plain copy / cast / foreach pass of `nbytes` at the eager elementwise efficiency for its size on
+    the GPU's generation."""
     if nbytes <= 0:
         return 0.0
-    return nbytes / (gpu.memory_Bps * _log_interp(kd.EAGER_MEMORY["elementwise"], nbytes))
+    return nbytes / (gpu.memory_Bps * _log_interp(eager_memory("elementwise", gpu.arch).points, nbytes))
