@@ -274,7 +274,7 @@ def _recommend(args: argparse.Namespace) -> int:
 
 def _recommend_rows(args: argparse.Namespace) -> int:
     from fsdp_sim.datafile import read_data
-    from fsdp_sim.recommend import default_axes, explain, recommend, written_values
+    from fsdp_sim.recommend import default_axes, explain, parse_base, recommend, written_values
     from fsdp_sim.sweep import sweep
 
     _check_sweep_args(args)
@@ -286,8 +286,9 @@ def _recommend_rows(args: argparse.Namespace) -> int:
         raise ScenarioError("--global-batch: a positive number of sequences per step, with the default space "
                             "(not with --grid or --max-batch)")
     if not args.grid:
-        axes = default_axes(base, folder, micro_batch=not args.max_batch, global_batch=args.global_batch)
-        written = written_values(base, folder, axes)  # the scenario as written is one of the points
+        scenario = parse_base(base, folder)
+        axes = default_axes(base, scenario, micro_batch=not args.max_batch, global_batch=args.global_batch)
+        written = written_values(base, scenario, axes)  # the scenario as written is one of the points
     color_by = _color_keys(args, axes) if args.plot or args.html else []
     keys, rows = sweep(args.scenario, args.set, grid=args.grid, axes=axes, jobs=args.jobs,
                        progress=_progress(args), max_batch=args.max_batch, executor=args.executor,

@@ -19,7 +19,13 @@ SIGNIFICANT = 0.05  # a share of the step below which exposed communication or C
 MICRO_BATCHES = (1, 2, 4, 8)
 
 
-def default_axes(base: dict, folder: Path, *, micro_batch: bool = True, global_batch: int | None = None) -> list[Axis]:
+def parse_base(base: dict, folder: Path):
+    """The base scenario, parsed once for `default_axes` and `written_values` (a bad base fails here, as
+    one line)."""
+    return parse_scenario(base, name="recommend", base=folder)
+
+
+def default_axes(base: dict, scenario, *, micro_batch: bool = True, global_batch: int | None = None) -> list[Axis]:
     """The default search space for `base`: wrap granularity (per block, every 2 or 4 blocks, whole model),
     backward prefetch, sharding strategy (with reshard_after_forward as it implies, and HSDP with one
     node's GPUs per shard group when there is more than one node), activation checkpointing, the
@@ -27,8 +33,7 @@ def default_axes(base: dict, folder: Path, *, micro_batch: bool = True, global_b
     not the step's time, so they decide only where memory does) and the micro-batch (not for a traced
     workload, whose trace fixed it). With `global_batch` (sequences per optimizer step, which a team keeps
     fixed: the hyperparameters stay) the micro-batch axis becomes `batch_axis`'s: micro-batch x gradient
-    accumulation x node count giving exactly that many sequences."""
-    scenario = parse_scenario(base, name="recommend", base=folder)  # a bad base fails here, as one line
+    accumulation x node count giving exactly that many sequences. `scenario` is `base` parsed (`parse_base`)."""
     cluster = scenario.cluster
     blocks = sum(m.is_block for m in scenario.workload.modules)
     wrap = [{"fsdp.wrap": "per_block"}]
@@ -90,9 +95,10 @@ def batch_axis(base: dict, scenario, global_batch: int) -> Axis:
 
 
 
-def written_values(base: dict, folder: Path, axes: list[Axis]) -> dict[str, Any]:
-    """The columns of the row that is the scenario as written, among `default_axes`' points."""
-    own = written(base, parse_scenario(base, name="recommend", base=folder))
+def written_values(base: dict, scenario, axes: list[Axis]) -> dict[str, Any]:
+    """The columns of the row that is the scenario as written, among `default_axes`' points (`scenario`:
+    `base` parsed, as `default_axes` was given it)."""
+    own = written(base, scenario)
     values = {k: None for axis in axes for k in axis.keys}
     for axis in axes:
         option = own[axis.name]

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from fsdp_sim.cli import main
-from fsdp_sim.recommend import default_axes, explain, recommend
+from fsdp_sim.recommend import default_axes, explain, parse_base, recommend
 from fsdp_sim.scenario import parse_scenario
 from fsdp_sim.simulate import simulate
 from fsdp_sim.sweep import largest_fitting, sweep
@@ -110,13 +110,14 @@ def test_nothing_fits_and_every_error():
 
 
 def test_default_search_space_uses_the_keys_that_exist(tmp_path):
-    one_node = default_axes(TOY, tmp_path)
+    one_node = default_axes(TOY, parse_base(TOY, tmp_path))
     assert [a.name for a in one_node] == ["wrap", "fsdp.backward_prefetch", "sharding",
                                           "training.activation_checkpointing", "allocator.expandable_segments",
                                           "training.micro_batch"]
     assert [o.get("fsdp.blocks_per_unit") for o in one_node[0].options] == [None, 2, 4, None]
     assert [o["fsdp.sharding_strategy"] for o in one_node[2].options] == ["FULL_SHARD", "SHARD_GRAD_OP"]
-    two_nodes = default_axes(TOY | {"hardware": {"profile": "h100-sxm", "nodes": 2}}, tmp_path, micro_batch=False)
+    two = TOY | {"hardware": {"profile": "h100-sxm", "nodes": 2}}
+    two_nodes = default_axes(two, parse_base(two, tmp_path), micro_batch=False)
     hybrid = [o for o in two_nodes[2].options if "HYBRID" in o["fsdp.sharding_strategy"]]
     assert len(hybrid) == 2 and all(o["fsdp.shard_size"] == 8 for o in hybrid)
     assert "training.micro_batch" not in [a.name for a in two_nodes]
@@ -195,8 +196,9 @@ def test_every_default_axis_offers_the_scenario_as_written(tmp_path):
                            "reshard_after_forward": 1},
                   "training": {"seq_len": 512, "micro_batch": 3, "activation_checkpointing": "selective_op"},
                   "allocator": {"expandable_segments": True}}
-    axes = default_axes(base, tmp_path)
-    written = written_values(base, tmp_path, axes)
+    scenario = parse_base(base, tmp_path)
+    axes = default_axes(base, scenario)
+    written = written_values(base, scenario, axes)
     assert written["fsdp.wrap"] == "size_based" and written["fsdp.min_params"] == 2_000_000
     assert written["fsdp.backward_prefetch"] == 2 and written["training.micro_batch"] == 3
     assert written["training.activation_checkpointing"] == "selective_op"
@@ -283,14 +285,15 @@ def test_a_fixed_global_batch_trades_micro_batch_for_accumulation_and_gpus(tmp_p
     from fsdp_sim.sweep import points
 
     base = TOY | {"training": {"seq_len": 1024, "micro_batch": 2, "grad_accumulation": 4}}  # 2 x 4 x 2 GPUs = 16
-    axes = default_axes(base, tmp_path, global_batch=16)
+    scenario = parse_base(base, tmp_path)
+    axes = default_axes(base, scenario, global_batch=16)
     batch = axes[-1]
     assert batch.name == "batch" and len(batch.options) > 3
     for option in batch.options:
         ranks = option["hardware.nodes"] * 2
         assert option["training.micro_batch"] * option["training.grad_accumulation"] * ranks == 16
     assert {o["hardware.nodes"] for o in batch.options} > {1}
-    written = written_values(base, tmp_path, axes)
+    written = written_values(base, scenario, axes)
     assert [c for c, _ in points(base, axes) if {k: c.get(k) for k in written} == written]  # as written: a point
     with pytest.raises(Exception, match="--global-batch 7"):
         batch_axis(base, parse_scenario(base, base=tmp_path), 7)
