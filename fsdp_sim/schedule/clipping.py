@@ -95,9 +95,7 @@ def _foreach(step, last: Op | None, shards: list[int], groups: tuple[str, ...]) 
     g.add("compute", COMPUTE, "clip_grad_norm_ total norm (stack, vector_norm)", hbm_bytes=3 * n * NORM_BYTES,
           launches=TOTAL_NORM_LAUNCHES)
     g.free(COMPUTE, norms)
-    for group in groups:
-        g.add("all_reduce", COMPUTE, f"clip_grad_norm_ total norm all-reduce ({group})", group=group,
-              comm_bytes=NORM_BYTES)
+    _norm_all_reduces(g, "clip_grad_norm_", groups)
     g.add("compute", COMPUTE, "clip_grad_norm_ clip coefficient", hbm_bytes=0,
           launches=CLIP_COEF_LAUNCHES + NORM_PARTIAL_LAUNCHES * len(groups))
     return g.add("compute", COMPUTE, f"clip_grad_norm_ _foreach_mul_ ({n} gradients)", hbm_bytes=2 * grad_bytes,
@@ -114,9 +112,7 @@ def _fsdp1(step, last: Op | None, shards: list[int], groups: tuple[str, ...]) ->
     # `total_norm ** norm_type` before `dist.all_reduce` (in place: no clone), `** (1 / norm_type)` after
     g.add("compute", COMPUTE, "FSDP.clip_grad_norm_ total norm (stack, vector_norm, ** 2)",
           hbm_bytes=3 * n * NORM_BYTES, launches=TOTAL_NORM_LAUNCHES + 1)
-    for group in groups:
-        g.add("all_reduce", COMPUTE, f"FSDP.clip_grad_norm_ total norm all-reduce ({group})", group=group,
-              comm_bytes=NORM_BYTES)
+    _norm_all_reduces(g, "FSDP.clip_grad_norm_", groups)
     g.add("compute", COMPUTE, "FSDP.clip_grad_norm_ clip coefficient", hbm_bytes=0,
           launches=1 + CLIP_COEF_LAUNCHES)
     casts = n if s.storage_bytes != NORM_BYTES else 0  # coef.to(grad.dtype): a kernel unless already fp32
@@ -133,11 +129,21 @@ def _on_host(step, last: Op | None, shards: list[int], groups: tuple[str, ...]) 
     op = g.add("compute", CPU_STREAM, f"clip_grad_norm_ norms on the CPU ({len(shards)} gradients)", deps=(last,),
                comm_bytes=grad_bytes, group=CPU, launches=0)
     if s.version == 1:
-        for group in groups:
-            op = g.add("all_reduce", COMPUTE, f"FSDP.clip_grad_norm_ total norm all-reduce ({group})", deps=(op,),
-                       group=group, comm_bytes=NORM_BYTES)
+        op = _norm_all_reduces(g, "FSDP.clip_grad_norm_", groups, after=op)
     return g.add("compute", CPU_STREAM, f"clip_grad_norm_ grad.mul_ on the CPU ({len(shards)} gradients)", deps=(op,),
                  comm_bytes=2 * grad_bytes, group=CPU, launches=0)
+
+
+def _norm_all_reduces(g, label: str, groups: tuple[str, ...], after: Op | None = None) -> Op | None:
+    """The total norm made whole: one all-reduce of one fp32 scalar per partial process group, in order on
+    the current stream. `after`: an op on another stream the first waits for (the host path's CPU norm),
+    each then waiting for the one before. Returns the last all-reduce (`after` when there is none)."""
+    op = after
+    for group in groups:
+        deps = (op,) if after is not None else ()
+        op = g.add("all_reduce", COMPUTE, f"{label} total norm all-reduce ({group})", deps=deps, group=group,
+                   comm_bytes=NORM_BYTES)
+    return op
 
 
 def foreach_norm_launches(shards: list[int]) -> int:
