@@ -1,5 +1,5 @@
 """`fsdp-sim run SCENARIO [--set KEY=VALUE ...] [--json F] [--trace F] [--timeline-csv F] [--memory-snapshot F]
-[--plot F] [--html F] [--require-fit]`;
+[--plot F] [--html F] [--require-fit] [--per-rank [--trace-ranks R,R,...]]`;
 `fsdp-sim sweep SCENARIO [--grid GRID] [--set KEY=V1,V2 ...] [-o rows.csv|.json|.jsonl [--resume]] [--plot F]`;
 `fsdp-sim recommend SCENARIO [--grid GRID] [--max-batch] [--global-batch N] [--json F] [--save F.yaml] [--plot F]`
 (both `[--html F] [--executor local|dask|dask-local] [--scheduler ADDRESS]`);
@@ -45,9 +45,9 @@ def _write(path: str, text: str | bytes) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fsdp_sim.results.export import chrome_trace, timeline_csv
+    from fsdp_sim.results.export import chrome_trace, ranks_trace, timeline_csv
     from fsdp_sim.results.report import summary
-    from fsdp_sim.simulate import simulate
+    from fsdp_sim.simulate import simulate, simulate_ranks
     from fsdp_sim.datafile import read_data
     from fsdp_sim.scenario import parse_scenario
     from fsdp_sim.sweep import with_assignments
@@ -59,7 +59,9 @@ def _run(args: argparse.Namespace) -> int:
         if not 0 <= args.safety_margin < 1:
             raise ScenarioError(f"--safety-margin: {args.safety_margin} must be in [0, 1)")
         scenario = replace(scenario, safety_margin=args.safety_margin)
-    result = simulate(scenario)
+    if args.trace_ranks is not None and not args.per_rank:
+        raise ScenarioError("--trace-ranks: only with --per-rank")
+    result = simulate_ranks(scenario, traced=args.trace_ranks) if args.per_rank else simulate(scenario)
     data = result.to_dict()
     if not data["memory"]["within_budget"] and not args.quiet:  # DOES NOT FIT leads somewhere (ways_out.py)
         from fsdp_sim.ways_out import ways_out
@@ -70,7 +72,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         _write(args.json, _json(data, indent=2) + "\n")
     if args.trace:
-        _write(args.trace, _json(chrome_trace(result)))
+        _write(args.trace, _json(ranks_trace(result) if args.per_rank else chrome_trace(result)))
     if args.timeline_csv:
         _write(args.timeline_csv, timeline_csv(result))
     if args.memory_snapshot:
@@ -105,6 +107,14 @@ def _run(args: argparse.Namespace) -> int:
                   f"{fmt_bytes(data['memory']['budget_bytes'])} (--require-fit)", file=sys.stderr)
         return 1
     return 0
+
+
+def _ranks(text: str) -> tuple[int, ...]:
+    try:
+        ranks = tuple(sorted({int(r) for r in text.split(",")}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated rank numbers, e.g. 0,17,1023") from None
+    return ranks
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -386,6 +396,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--require-fit", action="store_true", help="exit 1 when the step does not fit (for CI)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="change one scenario key for this run (repeatable), e.g. training.micro_batch=4")
+    run.add_argument("--per-rank", action="store_true",
+                     help="play every rank at its own speed (variation: spread, seed, stragglers, nodes); the step is "
+                          "the slowest rank's, and the JSON says per rank what it waited and who held the step back")
+    run.add_argument("--trace-ranks", type=_ranks, metavar="R,R,...",
+                     help="with --per-rank --trace: the ranks the trace shows (default: all of up to 16; else rank 0, "
+                          "the slowest, the fastest and the costliest)")
     run.add_argument("-q", "--quiet", action="store_true", help="print nothing; write only the files asked for")
     run.set_defaults(func=_run)
     sweep = sub.add_parser("sweep", help="simulate every combination of a few scenario keys, in parallel",

@@ -21,7 +21,7 @@ from fsdp_sim.hardware.fabric import NETWORK_SCALARS, Network, check_network_val
 from fsdp_sim.hardware.kernels import SDPA_BACKENDS, ComputeOptions
 from fsdp_sim.hardware.profiles import Cluster, load_profile
 from fsdp_sim.hardware.software import rms_norm_kernel
-from fsdp_sim.hardware.variation import DEFAULT_SPREAD, parse_variation
+from fsdp_sim.hardware.variation import Variation, parse_variation
 from fsdp_sim.schedule.clipping import DEFAULT_MAX_NORM
 from fsdp_sim.schedule.optimizers import IMPLEMENTATIONS, OPTIMIZERS, check_optimizer
 from fsdp_sim.schedule.offload import host_memory_key, offload_keys
@@ -58,7 +58,11 @@ class Scenario:
     compute: ComputeOptions = ComputeOptions()
     allocator: AllocatorConfig = AllocatorConfig()  # PYTORCH_CUDA_ALLOC_CONF (engine/allocator.py)
     zero_stage: int | None = None  # fsdp.zero_stage, when the strategy was given in DeepSpeed's words
-    gpu_speed_spread: float = DEFAULT_SPREAD  # variation.gpu_speed_spread (hardware/variation.py)
+    variation: Variation = Variation()  # the `variation:` section (hardware/variation.py)
+
+    @property
+    def gpu_speed_spread(self) -> float:
+        return self.variation.spread
 
 
 _DIM_KEYS = {f.name for f in fields(TransformerDims)}
@@ -409,7 +413,7 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     return Scenario(name=_name(data, name), workload=workload, units=units, cluster=cluster,
                     settings=settings, wrap=wrap, sharding_strategy=strategy, safety_margin=margin, compute=options,
                     allocator=allocator_config(expect_mapping("allocator", data.get("allocator"))), zero_stage=zero_stage,
-                    gpu_speed_spread=parse_variation(data.get("variation")))
+                    variation=parse_variation(data.get("variation"), cluster.world_size, cluster.nodes))
 
 
 def load_scenario(path: str | Path) -> Scenario:

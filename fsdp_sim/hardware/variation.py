@@ -15,7 +15,7 @@ not move with the SMs', in-situ.md 4).
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import cache
 
 import numpy as np
@@ -74,12 +74,85 @@ def paced_profile(gpu, factor: float):
     return entry[1]
 
 
-def parse_variation(raw) -> float:
-    """`variation: {gpu_speed_spread: sigma}`: the relative standard deviation of per-GPU sustained compute
-    rate (default DEFAULT_SPREAD; 0: every GPU alike, no cost of scale)."""
+@dataclass(frozen=True, slots=True)
+class Variation:
+    """The scenario's `variation:` section: the spread of per-GPU compute-bound rate, the seed of per-rank
+    draws (`--per-rank`), and named slow ranks and nodes, as (index, speed) pairs: speed is the rank's
+    compute-bound rate relative to the mean GPU's, before its own draw."""
+
+    spread: float = DEFAULT_SPREAD
+    seed: int = 0
+    stragglers: tuple[tuple[int, float], ...] = ()
+    nodes: tuple[tuple[int, float], ...] = ()
+
+    def slowest_named(self) -> float:
+        """The slowest speed a named straggler or node is given (1.0: none named)."""
+        return min([speed for _, speed in self.stragglers + self.nodes] + [1.0])
+
+
+def pace_factor(variation: Variation, world_size: int) -> float:
+    """How much longer the default mode's representative rank takes over compute-bound work: the slowest
+    rank's pace, the expected slowest of the spread or a named straggler or node if that is slower (a
+    named rank also draws from the spread, which this leaves out: it is at most k_N sigma of its speed)."""
+    if world_size <= 1:
+        return 1.0
+    return max(slowest_rank_factor(world_size, variation.spread), 1.0 / variation.slowest_named())
+
+
+def rank_speeds(variation: Variation, world_size: int, gpus_per_node: int) -> np.ndarray:
+    """Each rank's compute-bound rate relative to the mean GPU's: a normal draw of mean 1 and relative
+    spread sigma from `seed` (numpy's PCG64, so a seed gives the same draws on every platform), times its
+    straggler's and its node's speed. A draw at or below zero is refused: past MAX_SPREAD's reasoning,
+    some rank of this seed would not run at all."""
+    speeds = 1.0 + variation.spread * np.random.default_rng(variation.seed).standard_normal(world_size)
+    if variation.spread > 0 and speeds.min() <= 0:
+        raise ScenarioError(f"variation.seed: {variation.seed} draws rank {int(speeds.argmin())} at speed "
+                            f"{speeds.min():.3f}; a GPU must run: try another seed or a smaller gpu_speed_spread")
+    for node, speed in variation.nodes:
+        speeds[node * gpus_per_node:(node + 1) * gpus_per_node] *= speed
+    for rank, speed in variation.stragglers:
+        speeds[rank] *= speed
+    return speeds
+
+
+# A named rank or node runs at most this much faster than the mean GPU: same-SKU GPUs over five clusters
+# range to 1.5x apart (Sinha et al., arXiv 2208.11035 [V]); a faster part is another SKU, another profile
+MAX_SPEED = 1.5
+
+
+def parse_variation(raw, world_size: int = 1, nodes: int = 1) -> Variation:
+    """`variation: {gpu_speed_spread: sigma, seed: n, stragglers: [{rank, speed}], nodes: [{node, speed}]}`:
+    the relative standard deviation of per-GPU sustained compute rate (default DEFAULT_SPREAD; 0: every GPU
+    alike, no cost of scale), the seed of `--per-rank`'s draws, and ranks or nodes named slow (or fast)."""
     raw = expect_mapping("variation", raw)
-    reject_unknown_keys("variation", raw, {"gpu_speed_spread"})
+    reject_unknown_keys("variation", raw, {"gpu_speed_spread", "seed", "stragglers", "nodes"})
     spread = get_key("variation", raw, "gpu_speed_spread", float, DEFAULT_SPREAD, maximum=MAX_SPREAD)
     if spread < 0:
         raise ScenarioError(f"variation.gpu_speed_spread: {spread} must be zero or more")
-    return spread
+    seed = get_key("variation", raw, "seed", int, 0, maximum=2**63 - 1)
+    if seed < 0:
+        raise ScenarioError(f"variation.seed: {seed} must be zero or more")
+    return Variation(spread, seed, _named(raw, "stragglers", "rank", world_size), _named(raw, "nodes", "node", nodes))
+
+
+def _named(raw: dict, key: str, index: str, count: int) -> tuple[tuple[int, float], ...]:
+    """`variation.<key>: [{<index>: i, speed: s}]`, each i in [0, count) named once, s in (0, MAX_SPEED]."""
+    items = raw.get(key) or []
+    if not isinstance(items, list):
+        raise ScenarioError(f"variation.{key}: expected a list of {{{index}, speed}}, got {type(items).__name__}")
+    out: dict[int, float] = {}
+    for n, item in enumerate(items):
+        where = f"variation.{key}[{n}]"
+        item = expect_mapping(where, item)
+        reject_unknown_keys(where, item, {index, "speed"})
+        i = get_key(where, item, index, int)
+        if not 0 <= i < count:
+            raise ScenarioError(f"{where}.{index}: {i} is out of range: the mesh has {count} {index}s (0 to {count - 1})")
+        if i in out:
+            raise ScenarioError(f"{where}.{index}: {index} {i} is named twice")
+        speed = get_key(where, item, "speed", float)
+        if not 0 < speed <= MAX_SPEED:
+            raise ScenarioError(f"{where}.speed: {speed} must be in (0, {MAX_SPEED}]: the {index}'s compute-bound "
+                                "rate relative to the mean GPU's")
+        out[i] = speed
+    return tuple(sorted(out.items()))

@@ -18,7 +18,7 @@ from fsdp_sim.engine.reserved import CappedReplay
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.hardware.kernels import KernelTimes, select_sdpa_backend
 from fsdp_sim.hardware.software import nccl_buffer_bytes, nccl_version, stack
-from fsdp_sim.hardware.variation import slowest_rank_factor
+from fsdp_sim.hardware.variation import pace_factor
 from fsdp_sim.scenario import Scenario
 from fsdp_sim.schedule.ops import CATEGORIES, COLLECTIVES, Op, OpGraph
 from fsdp_sim.schedule.settings import post_forward_group
@@ -171,6 +171,10 @@ class StepResult:
         return {"all_gather_bytes": int(moved["all_gather"]), "reduce_scatter_bytes": int(moved["reduce_scatter"]),
                 "all_reduce_bytes": int(moved["all_reduce"]), "total_s": total, "exposed_s": exposed,
                 "exposed_by_collective_s": exposed_by_kind, "overlap_fraction": overlap}
+
+    def pace_factor(self) -> float:
+        """The factor the representative rank's compute-bound kernels were slowed by (hardware/variation.py)."""
+        return pace_factor(self.scenario.variation, self.scenario.cluster.world_size)
 
     def _model_flops(self) -> float:
         return self.scenario.workload.model_flops * self.scenario.settings.grad_accumulation
@@ -350,7 +354,7 @@ class StepResult:
                          "sustained_memory": sc.cluster.gpu.sustained.memory,
                          # the step at its slowest rank's pace (hardware/variation.py): compute-bound x this
                          "gpu_speed_spread": sc.gpu_speed_spread,
-                         "slowest_rank_factor": slowest_rank_factor(sc.cluster.world_size, sc.gpu_speed_spread)},
+                         "slowest_rank_factor": self.pace_factor()},
             "software": stack(sc.compute, select_sdpa_backend(sc.cluster.gpu.arch, sc.compute),  # hardware/software.py
                               wl.meta.get("norm_impl")),
             "fsdp": {"runtime": f"fsdp{s.version}" if s.version else "none", "wrap": sc.wrap, "sharding_strategy": sc.sharding_strategy,

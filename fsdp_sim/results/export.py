@@ -21,30 +21,7 @@ def chrome_trace(result: StepResult, rank: int = 0) -> dict:
     reserved as the ledger models it; `otherData.memory_counters` says how they are ordered and stamped). A slice's args give the op's time alone (`alone_us`): a slice
     longer than that was slowed by what ran beside it."""
     pid = rank
-    events: list[dict] = [{"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"rank {rank} (simulated)"}}]
-    streams = ["cpu"] + list(TRACE_STREAMS) + sorted({op.stream for op in result.graph.ops} - set(TRACE_STREAMS))
-    tid = {name: i for i, name in enumerate(streams)}
-    for name, i in tid.items():
-        events.append({"ph": "M", "pid": pid, "tid": i, "name": "thread_name", "args": {"name": name}})
-        events.append({"ph": "M", "pid": pid, "tid": i, "name": "thread_sort_index", "args": {"sort_index": i}})
-    start, end, issued = result.timing.start, result.timing.end, result.timing.issued
-    previous_issue = 0.0
-    for op in result.graph.ops:
-        if op.kind in ("alloc", "free"):
-            continue
-        if issued[op.id] > previous_issue:
-            events.append({"ph": "X", "pid": pid, "tid": tid["cpu"], "name": f"launch {op.name}", "cat": "cpu",
-                           "ts": previous_issue * 1e6, "dur": (float(issued[op.id]) - previous_issue) * 1e6})
-            previous_issue = float(issued[op.id])
-        args = {"unit": op.unit, "phase": op.phase, "kind": op.kind, "alone_us": result.alone_duration(op) * 1e6}
-        if op.comm_bytes:
-            args["bytes"] = int(op.comm_bytes)
-        if op.flops:
-            args["flops"] = op.flops
-        if op.hbm_bytes:
-            args["hbm_bytes"] = int(op.hbm_bytes)
-        events.append({"ph": "X", "pid": pid, "tid": tid[op.stream], "name": op.name, "cat": op.kind,
-                       "ts": float(start[op.id]) * 1e6, "dur": float(end[op.id] - start[op.id]) * 1e6, "args": args})
+    events = _op_events(result, result.timing, pid, f"rank {rank} (simulated)")
     mem = result.memory
     previous = None
     reserved = reserved_timeline(result)
@@ -62,6 +39,53 @@ def chrome_trace(result: StepResult, rank: int = 0) -> dict:
         previous = row
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"tool": "fsdp-sim", "scenario": result.scenario.name, "memory_counters": MEMORY_COUNTERS}}
+
+
+def _op_events(result: StepResult, timing, pid: int, name: str) -> list[dict]:
+    """One rank's process: its name, a thread per stream plus the CPU issue thread, and a slice per op
+    (allocs and frees are the memory counters' business)."""
+    events: list[dict] = [{"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}}]
+    streams = ["cpu"] + list(TRACE_STREAMS) + sorted({op.stream for op in result.graph.ops} - set(TRACE_STREAMS))
+    tid = {name: i for i, name in enumerate(streams)}
+    for name, i in tid.items():
+        events.append({"ph": "M", "pid": pid, "tid": i, "name": "thread_name", "args": {"name": name}})
+        events.append({"ph": "M", "pid": pid, "tid": i, "name": "thread_sort_index", "args": {"sort_index": i}})
+    start, end, issued = timing.start, timing.end, timing.issued
+    previous_issue = 0.0
+    for op in result.graph.ops:
+        if op.kind in ("alloc", "free"):
+            continue
+        if issued[op.id] > previous_issue:
+            events.append({"ph": "X", "pid": pid, "tid": tid["cpu"], "name": f"launch {op.name}", "cat": "cpu",
+                           "ts": previous_issue * 1e6, "dur": (float(issued[op.id]) - previous_issue) * 1e6})
+            previous_issue = float(issued[op.id])
+        args = {"unit": op.unit, "phase": op.phase, "kind": op.kind, "alone_us": result.alone_duration(op) * 1e6}
+        if op.comm_bytes:
+            args["bytes"] = int(op.comm_bytes)
+        if op.flops:
+            args["flops"] = op.flops
+        if op.hbm_bytes:
+            args["hbm_bytes"] = int(op.hbm_bytes)
+        events.append({"ph": "X", "pid": pid, "tid": tid[op.stream], "name": op.name, "cat": op.kind,
+                       "ts": float(start[op.id]) * 1e6, "dur": float(end[op.id] - start[op.id]) * 1e6, "args": args})
+    return events
+
+
+def ranks_trace(result) -> dict:
+    """`run --per-rank --trace`: a process per traced rank (`PerRankResult.ranks.traced`: every rank of a small
+    mesh, else rank 0, the slowest, the fastest and the costliest, or `--trace-ranks`), its ops' slices as
+    that rank ran them (`alone_us` is the mean GPU's time alone), named with its speed and step time. No
+    memory counters: every rank holds the same memory in the same issue order (`chrome_trace` has them)."""
+    events: list[dict] = []
+    end = result.ranks.end
+    for rank, timing in sorted(result.ranks.traced.items()):
+        name = (f"rank {rank} (simulated, speed {result.speeds[rank]:.3f}, step {float(end[rank]) * 1e3:.2f} ms"
+                + (", slowest" if rank == result.slowest_rank() else ", fastest" if rank == result.fastest_rank() else "")
+                + ")")
+        events += _op_events(result, timing, rank, name)
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"tool": "fsdp-sim", "scenario": result.scenario.name, "ranks": len(result.speeds),
+                          "traced_ranks": sorted(result.ranks.traced)}}
 
 
 # how a reader must take the memory counters (also in docs/outputs.md)

@@ -92,6 +92,7 @@ def summary(d: dict) -> str:
         *([f"  folded             {f['grad_accumulation']} micro-batches priced from "
            f"{comp['folded']['micro_batches_simulated']}: each middle one adds {fmt_time(comp['folded']['middle_micro_batch_s'])}"]
           if "folded" in comp else []),
+        *per_rank_lines(d),
         f"Compute busy         {fmt_time(comp['busy_s'])}   MFU {100 * comp['mfu']:.1f} %",
         f"  alone on the GPU   matmul {fmt_time(br['matmul_s'])}, attention {fmt_time(br['attention_s'])}, "
         f"memory-bound {fmt_time(br['memory_bound_s'])}",
@@ -158,6 +159,30 @@ def summary(d: dict) -> str:
 # gradients, optimizer states, activations; the rest is overhead, with the cache, CUDA context and NCCL)
 KINDS = {"parameters": ("sharded_params", "unsharded_params"), "gradients": ("sharded_grads", "unsharded_grads"),
          "optimizer states": ("optimizer_states",), "activations": ("activations", "inputs")}
+
+
+def per_rank_lines(d: dict) -> list[str]:
+    """The summary's per-rank lines (`run --per-rank`, results/ranks.py; none without a `per_rank` section)."""
+    p = d.get("per_rank")
+    if p is None:
+        return []
+    named = [f"rank {a['rank']}" + f" x{a['speed']:.2f}" for a in p["stragglers"]] + \
+            [f"node {a['node']} x{a['speed']:.2f}" for a in p["nodes"]]
+    speed = {r["rank"]: r["speed"] for r in (d["ranks"][p["slowest_rank"]], d["ranks"][p["fastest_rank"]])}
+    lines = [
+        f"  per rank           {p['ranks']} ranks played (spread {100 * p['gpu_speed_spread']:.1f} %, seed {p['seed']}"
+        + (f"; {', '.join(named)}" if named else "") + f"): slowest rank {p['slowest_rank']} "
+        f"(speed {speed[p['slowest_rank']]:.3f}) ends at {fmt_time(p['step_time_s']['slowest'])}, fastest rank "
+        f"{p['fastest_rank']} (speed {speed[p['fastest_rank']]:.3f}) at {fmt_time(p['step_time_s']['fastest'])}; "
+        f"every rank at the mean speed {fmt_time(p['representative_step_time_s'])}",
+        f"  waiting            in collectives for the group's last rank {fmt_time(p['collective_wait_s']['mean'])} a rank "
+        f"(most {fmt_time(p['collective_wait_s']['max'])}); exposed communication "
+        f"{fmt_time(p['exposed_communication_s']['mean'])} a rank (most {fmt_time(p['exposed_communication_s']['max'])})",
+    ]
+    for a in p["attribution"]:
+        lines.append(f"  held back by       rank {a['rank']} (speed {a['speed']:.3f}) cost the step {fmt_time(a['cost_s'])}: "
+                     f"last to arrive at {a['collectives']} collectives")
+    return lines
 
 
 def host_lines(d: dict) -> list[str]:

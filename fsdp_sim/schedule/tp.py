@@ -209,3 +209,13 @@ def tp_pricing(s, cluster) -> dict:
     groups = dp_process_groups(s.tp, s.shard_size, s.replicate_size, cluster.nodes, cluster.gpus_per_node, consecutive)
     return {"groups": groups | {TP_GATHER: groups[TP_GROUP]},
             "ring_factors": {TP_GROUP: tp_ring_factor(s.tp, s.sequence_parallel), TP_GATHER: (s.tp - 1) / s.tp}}
+
+
+def rank_groups(s) -> dict[str, tuple[int, int, int]]:
+    """Every process group's members on the (replicate, shard, tp) mesh (`dp_process_groups`' layout: rank =
+    (replicate index x shard_size + shard index) x tp + tp index), as (outer, size, inner): the ranks laid out
+    as an outer x size x inner array, a group is those that differ only in the middle index. What the
+    per-rank replay (engine/ranks.py) waits on at each collective."""
+    r, k, t = s.replicate_size, s.shard_size, s.tp
+    groups = {"shard": (r, k, t), "replicate": (1, r, k * t), TP_GROUP: (r * k, t, 1), TP_GATHER: (r * k, t, 1)}
+    return groups | {post_forward_group(n): (r * k // n, n, t) for n in s.post_forward_sizes}
