@@ -197,8 +197,8 @@ def test_cli_surface_is_frozen():
     search = ["--color-by", "--executor", "--grid", "--html", "--jobs", "--max-batch", "--plot", "--quiet", "--scheduler",
               "--set", "-h", "--help", "-q"]
     assert surface == {
-        "run": sorted(["--html", "--json", "--memory-snapshot", "--plot", "--quiet", "--require-fit", "--safety-margin",
-                       "--set", "--timeline-csv", "--trace", "-h", "--help", "-q"]),
+        "run": sorted(["--html", "--json", "--memory-snapshot", "--per-rank", "--plot", "--quiet", "--require-fit",
+                       "--safety-margin", "--set", "--timeline-csv", "--trace", "--trace-ranks", "-h", "--help", "-q"]),
         "sweep": sorted([*search, "--output", "-o", "--resume"]),
         "recommend": sorted([*search, "--global-batch", "--json", "--save", "--top"]),
         "trace": sorted(["--batch", "--block-type", "--dtype", "--input-shape", "--name", "--output", "--quiet", "--seq",
