@@ -59,9 +59,11 @@ def _run(args: argparse.Namespace) -> int:
         if not 0 <= args.safety_margin < 1:
             raise ScenarioError(f"--safety-margin: {args.safety_margin} must be in [0, 1)")
         scenario = replace(scenario, safety_margin=args.safety_margin)
-    if args.trace_ranks is not None and not args.per_rank:
-        raise ScenarioError("--trace-ranks: only with --per-rank")
-    result = simulate_ranks(scenario, traced=args.trace_ranks) if args.per_rank else simulate(scenario)
+    if args.trace_ranks is not None and not (args.per_rank and args.trace):
+        raise ScenarioError("--trace-ranks: only with --per-rank and --trace")
+    # the traced ranks' every op is kept only for a trace (None: simulate_ranks picks them)
+    result = (simulate_ranks(scenario, traced=args.trace_ranks if args.trace else ()) if args.per_rank
+              else simulate(scenario))
     data = result.to_dict()
     if not data["memory"]["within_budget"] and not args.quiet:  # DOES NOT FIT leads somewhere (ways_out.py)
         from fsdp_sim.ways_out import ways_out

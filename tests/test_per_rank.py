@@ -183,8 +183,10 @@ def test_bad_variation_is_one_line_and_exit_2(case, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, words", [(["--trace-ranks", "3"], ["--trace-ranks", "--per-rank"]),
-                                         (["--per-rank", "--trace-ranks", "99"], ["--trace-ranks", "99", "16 ranks"])])
+                                         (["--per-rank", "--trace-ranks", "3"], ["--trace-ranks", "--trace"]),
+                                         (["--per-rank", "--trace", "T", "--trace-ranks", "99"], ["--trace-ranks", "99", "16 ranks"])])
 def test_bad_trace_ranks_is_one_line(argv, words, tmp_path, capsys):
+    argv = [str(tmp_path / "t.json") if a == "T" else a for a in argv]
     rc, _, err = _cli(["run", _write(tmp_path, _llama3_8b(16))] + argv, capsys)
     assert rc == 2 and len(err.splitlines()) == 1
     for word in words:
@@ -195,7 +197,9 @@ def test_a_named_straggler_paces_the_default_mode_too():
     """Without --per-rank the representative rank runs at the slowest rank's pace: a straggler slower than
     the spread's expected slowest sets it."""
     d = simulate(parse_scenario(_llama3_8b(8, {"gpu_speed_spread": 0.01, "stragglers": [{"rank": 0, "speed": 0.8}]})))
-    assert d.to_dict()["hardware"]["slowest_rank_factor"] == pytest.approx(1 / 0.8)
+    hw = d.to_dict()["hardware"]
+    assert hw["slowest_rank_factor"] == pytest.approx(1 / 0.8) and hw["slowest_named_speed"] == 0.8
+    assert "slowest_named_speed" not in simulate(parse_scenario(_llama3_8b(8))).to_dict()["hardware"]
 
 
 def test_a_seed_drawing_a_rank_that_cannot_run_is_refused():

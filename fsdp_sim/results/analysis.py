@@ -354,7 +354,10 @@ class StepResult:
                          "sustained_memory": sc.cluster.gpu.sustained.memory,
                          # the step at its slowest rank's pace (hardware/variation.py): compute-bound x this
                          "gpu_speed_spread": sc.gpu_speed_spread,
-                         "slowest_rank_factor": self.pace_factor()},
+                         "slowest_rank_factor": self.pace_factor(),
+                         # a straggler or node named in `variation:` (hardware/variation.py), when one is
+                         **({"slowest_named_speed": sc.variation.slowest_named()}
+                            if sc.variation.stragglers or sc.variation.nodes else {})},
             "software": stack(sc.compute, select_sdpa_backend(sc.cluster.gpu.arch, sc.compute),  # hardware/software.py
                               wl.meta.get("norm_impl")),
             "fsdp": {"runtime": f"fsdp{s.version}" if s.version else "none", "wrap": sc.wrap, "sharding_strategy": sc.sharding_strategy,

@@ -53,7 +53,8 @@ def software_line(d: dict) -> str:
     """The stack the run assumes (hardware/software.py) and the rate its GPU sustains (profiles.Sustained)."""
     sw, hw = d["software"], d["hardware"]
     norm = f", norms {sw['norm']}" if sw["norm"] else ""
-    slowest = (f", the slowest of {hw['world_size']} GPUs' pace (spread {100 * hw['gpu_speed_spread']:.1f} %: "
+    named = f", a named GPU at speed {hw['slowest_named_speed']:.2f}" if "slowest_named_speed" in hw else ""
+    slowest = (f", the slowest of {hw['world_size']} GPUs' pace (spread {100 * hw['gpu_speed_spread']:.1f} %{named}: "
                f"compute x{hw['slowest_rank_factor']:.3f})" if hw["slowest_rank_factor"] != 1 else "")
     return (f"  software           torch {sw['torch']} (NCCL {sw['nccl']}): SDPA {sw['sdpa_backend']}{norm}, "
             f"{'torch.compile' if sw['torch_compile'] else 'eager'}; kernels at the GPU's sustained rate "
