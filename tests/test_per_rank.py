@@ -58,6 +58,9 @@ def test_one_rank_at_90_percent_slows_a_compute_bound_step_by_its_compute_share(
     assert d["per_rank"]["slowest_rank"] == 3 and d["per_rank"]["attribution"][0]["rank"] == 3
     # without rank 3 every rank is alike again: it cost the step all it added
     assert d["per_rank"]["attribution"][0]["cost_s"] == pytest.approx(r.step_time_s - alike.step_time_s, rel=1e-9)
+    delayed = d["per_rank"]["collectives"]
+    assert {c["rank"] for c in delayed} == {3} and sum(c["held_back_s"] for c in delayed) == pytest.approx(
+        d["ranks"][3]["held_back_s"], rel=1e-12)
     assert d["ranks"][3]["collective_wait_s"] == 0 and all(x["collective_wait_s"] > 0 for x in d["ranks"] if x["rank"] != 3)
 
 

@@ -47,6 +47,7 @@ def test_a_collective_starts_when_its_groups_last_rank_arrives():
     assert t.end.tolist() == [3.75, 1.75 + 2 * 1.25, 3.75, 3.75]
     assert t.collective_wait_s.tolist() == [0.25, 0.0, 0.25, 0.25]
     assert t.held_back_s.tolist() == [0.0, 0.25, 0.0, 0.0] and t.held_back_count.tolist() == [0, 1, 0, 0]
+    assert t.delays == [(1, 1, 0.25)]
     assert t.traced[1].start[2] == 1.75 and t.traced[1].end[0] == 1.25
 
 
@@ -60,6 +61,7 @@ def test_only_the_slow_ranks_group_waits_for_it():
 def test_ties_credit_nobody():
     t = _replay(_graph(), [0.25, 0.25, 0.0, 0.0], {"g": (1, 4, 1)})
     assert t.held_back_s.tolist() == [0.0] * 4 and t.collective_wait_s.tolist() == [0.0, 0.0, 0.25, 0.25]
+    assert t.delays == []
 
 
 def test_every_rank_at_the_mean_speed_is_the_play_itself():

@@ -38,21 +38,25 @@ class RankTiming:
     """What every rank did: per rank (arrays over ranks) its step time (its last op's end), the seconds
     its collectives waited after it was ready for the last rank of their group, the seconds by which it,
     arriving last, held its groups' collectives back past the second-last arrival, and at how many
-    collectives it did so; the start and end of the `keep` ops (rows) on every rank (columns); and the full
+    collectives it did so; per collective that some rank held back, (op id, the rank with the longest lead
+    over its group's second-last, that lead); the start and end of the `keep` ops (rows) on every rank (columns); and the full
     `Timing` of each traced rank."""
 
     end: np.ndarray
     collective_wait_s: np.ndarray
     held_back_s: np.ndarray
     held_back_count: np.ndarray
+    delays: list[tuple[int, int, float]]
     kept_start: np.ndarray
     kept_end: np.ndarray
     traced: dict[int, Timing]
 
 
-def _held_back(ready: np.ndarray, shape: tuple[int, int, int], held: np.ndarray, count: np.ndarray) -> np.ndarray:
+def _held_back(ready: np.ndarray, shape: tuple[int, int, int], held: np.ndarray,
+               count: np.ndarray) -> tuple[np.ndarray, int, float]:
     """The time each group's collective can start (the last arrival, for every rank), crediting the last
-    arrival's lead over the second-last to that rank (the lowest rank of those tied: deterministic)."""
+    arrival's lead over the second-last to that rank (the lowest rank of those tied: deterministic); and
+    of all the groups, the rank with the longest lead and that lead (-1, 0.0: nobody led)."""
     outer, size, inner = shape
     a = ready.reshape(outer, size, inner)
     last = a.argmax(axis=1)  # (outer, inner)
@@ -62,11 +66,14 @@ def _held_back(ready: np.ndarray, shape: tuple[int, int, int], held: np.ndarray,
     others[o, last, i] = -np.inf
     lead = top - others.max(axis=1)
     late = lead > 0
+    worst, longest = -1, 0.0
     if late.any():
-        ranks = ((o * size + last) * inner + i)[late]
-        np.add.at(held, ranks, lead[late])
-        np.add.at(count, ranks, 1)
-    return np.broadcast_to(top[:, None, :], a.shape).reshape(-1)
+        ranks = (o * size + last) * inner + i
+        np.add.at(held, ranks[late], lead[late])
+        np.add.at(count, ranks[late], 1)
+        k = np.unravel_index(np.argmax(lead), lead.shape)
+        worst, longest = int(ranks[k]), float(lead[k])
+    return np.broadcast_to(top[:, None, :], a.shape).reshape(-1), worst, longest
 
 
 def play_ranks(ops: list, timing: Timing, *, host_s: np.ndarray, work_s: np.ndarray, slowness: np.ndarray,
@@ -85,6 +92,7 @@ def play_ranks(ops: list, timing: Timing, *, host_s: np.ndarray, work_s: np.ndar
     issued_last: dict[str, float | np.ndarray] = {}  # stream -> the issue time of its last op (skipped ops)
     lanes: dict[str, np.ndarray] = {}  # process group -> when its last collective ended
     wait, held, count = np.zeros(n_ranks), np.zeros(n_ranks), np.zeros(n_ranks, dtype=np.int64)
+    delays: list[tuple[int, int, float]] = []
     row = {int(i): k for k, i in enumerate(keep)}
     kept_start, kept_end = np.empty((len(keep), n_ranks)), np.empty((len(keep), n_ranks))
     t_idx = np.array(traced, dtype=np.intp)
@@ -119,7 +127,12 @@ def play_ranks(ops: list, timing: Timing, *, host_s: np.ndarray, work_s: np.ndar
         if op.kind in _COLLECTIVE:
             lane = lanes.get(op.group)
             ready = start if lane is None else np.maximum(start, lane)
-            start = _held_back(ready, groups[op.group], held, count) if groups[op.group][1] > 1 else ready
+            if groups[op.group][1] > 1:
+                start, worst, longest = _held_back(ready, groups[op.group], held, count)
+                if worst >= 0:
+                    delays.append((i, worst, longest))
+            else:
+                start = ready
             wait += start - ready
             end = r_end[i] + (start - r_start[i])
             lanes[op.group] = end
@@ -143,4 +156,4 @@ def play_ranks(ops: list, timing: Timing, *, host_s: np.ndarray, work_s: np.ndar
     for last in issued_last.values():
         step = np.maximum(step, last)
     timings = {r: Timing(t_start[:, k].copy(), t_end[:, k].copy(), t_issued[:, k].copy()) for k, r in enumerate(traced)}
-    return RankTiming(step, wait, held, count, kept_start, kept_end, timings)
+    return RankTiming(step, wait, held, count, delays, kept_start, kept_end, timings)

@@ -25,6 +25,8 @@ from fsdp_sim.results.analysis import StepResult, _stream_order
 # groups back longest (a replay is a fraction of a second at 1,024 ranks; three name a straggler and the
 # runners-up that would pace the step without it)
 ATTRIBUTED_RANKS = 3
+# a trace shows every rank of a mesh up to this size: two nodes of 8, a process each, still one screen in Perfetto
+TRACE_EVERY_RANK = 16
 _COLUMNS = 2048  # ranks per block of the exposure's sort: bounds its temporaries (16 B x ops x this)
 
 
@@ -106,7 +108,7 @@ class PerRankResult(StepResult):
         """The ranks a trace shows unless told: all of a small mesh; else rank 0, the slowest, the fastest
         and the one that cost the step most."""
         n = len(self.speeds)
-        if n <= 16:
+        if n <= TRACE_EVERY_RANK:
             return tuple(range(n))
         costliest = [a["rank"] for a in self.attribution()[:1]]
         return tuple(sorted({0, self.slowest_rank(), self.fastest_rank(), *costliest}))
@@ -125,7 +127,9 @@ class PerRankResult(StepResult):
             "representative_step_time_s": self.timing.makespan,  # every rank at the mean speed
             "collective_wait_s": {"max": float(t.collective_wait_s.max()), "mean": float(t.collective_wait_s.mean())},
             "exposed_communication_s": {"max": float(exposed.max()), "mean": float(exposed.mean())},
-            "attribution": self.attribution()}
+            "attribution": self.attribution(),
+            # each collective some rank held back: the rank with the longest lead over its group's second-last
+            "collectives": [{"name": self.graph.ops[i].name, "rank": r, "held_back_s": lead} for i, r, lead in t.delays]}
         d["ranks"] = [{"rank": r, "speed": s, "step_time_s": e, "collective_wait_s": w, "exposed_communication_s": x,
                        "held_back_s": h, "held_back_collectives": c}
                       for r, (s, e, w, x, h, c) in enumerate(zip(self.speeds.tolist(), t.end.tolist(),
