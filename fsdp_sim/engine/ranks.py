@@ -85,7 +85,14 @@ def play_ranks(ops: list, timing: Timing, *, host_s: np.ndarray, work_s: np.ndar
     returned, `traced` the ranks whose every op's times are."""
     n_ranks = len(slowness)
     r_start, r_end, r_issued = (t.tolist() for t in (timing.start, timing.end, timing.issued))
-    needed = {d for op in ops for d in op.deps} | {op.cpu_wait for op in ops if op.cpu_wait >= 0}
+    last_use: dict[int, int] = {}  # op id -> the last op waiting on it (an event or the CPU)
+    for op in ops:
+        for d in op.deps + ((op.cpu_wait,) if op.cpu_wait >= 0 else ()):
+            last_use[d] = op.id
+    needed = set(last_use)
+    release: dict[int, list[int]] = {}  # op id -> the ends no op after it reads: dropped once it is played
+    for d, i in last_use.items():
+        release.setdefault(i, []).append(d)
     ends: dict[int, np.ndarray] = {}  # op id -> its end on every rank, for the ops something waits on
     zero = np.zeros(n_ranks)
     free: dict[str, np.ndarray] = {}  # stream -> when every rank's stream is done with its last op
@@ -119,6 +126,8 @@ def play_ranks(ops: list, timing: Timing, *, host_s: np.ndarray, work_s: np.ndar
             issued_last[stream] = issued
             if len(traced):
                 t_start[i] = t_end[i] = np.maximum(free.get(stream, zero)[t_idx], t_issued[i])
+            for d in release.get(i, ()):  # the event its CPU waited on
+                del ends[d]
             continue
         start = free.get(stream, zero)
         for d in op.deps:
@@ -150,6 +159,8 @@ def play_ranks(ops: list, timing: Timing, *, host_s: np.ndarray, work_s: np.ndar
             kept_start[row[i]], kept_end[row[i]] = start, end
         if len(traced):
             t_start[i], t_end[i] = start[t_idx], end[t_idx]
+        for d in release.get(i, ()):
+            del ends[d]
     step = zero
     for stream, done in free.items():
         step = np.maximum(step, done)
