@@ -17,11 +17,11 @@ from fsdp_sim.deepspeed_words import ZERO_STAGES
 from fsdp_sim.engine.allocator import AllocatorConfig, allocator_config
 from fsdp_sim.dtypes import DTYPE_BYTES
 from fsdp_sim.errors import ScenarioError, one_line, show, warn
-from fsdp_sim.hardware.fabric import NETWORK_SCALARS, Network, check_network_value
+from fsdp_sim.hardware.fabric import LAYOUTS, NETWORK_SCALARS, Network, check_network_value
 from fsdp_sim.hardware.kernels import SDPA_BACKENDS, ComputeOptions
 from fsdp_sim.hardware.profiles import Cluster, load_profile
 from fsdp_sim.hardware.software import rms_norm_kernel
-from fsdp_sim.hardware.variation import Variation, parse_variation
+from fsdp_sim.hardware.variation import LinkFault, Variation, parse_links, parse_variation
 from fsdp_sim.schedule.clipping import DEFAULT_MAX_NORM
 from fsdp_sim.schedule.optimizers import IMPLEMENTATIONS, OPTIMIZERS, check_optimizer
 from fsdp_sim.schedule.offload import host_memory_key, offload_keys
@@ -59,6 +59,7 @@ class Scenario:
     allocator: AllocatorConfig = AllocatorConfig()  # PYTORCH_CUDA_ALLOC_CONF (engine/allocator.py)
     zero_stage: int | None = None  # fsdp.zero_stage, when the strategy was given in DeepSpeed's words
     variation: Variation = Variation()  # the `variation:` section (hardware/variation.py)
+    link_faults: tuple[LinkFault, ...] = ()  # variation.links: NICs slow or down (hardware/variation.py)
 
     @property
     def gpu_speed_spread(self) -> float:
@@ -177,12 +178,30 @@ def _network(hardware: dict, profile: Network) -> Network | None:
     if "network" not in hardware:
         return None
     network = expect_mapping("hardware.network", hardware["network"])
-    reject_unknown_keys("hardware.network", network, set(NETWORK_SCALARS))
+    reject_unknown_keys("hardware.network", network, set(NETWORK_SCALARS) | _SWITCH_KEYS)
     given = {}
-    for key in network:
+    for key in network.keys() - _SWITCH_KEYS:
         value = get_key("hardware.network", network, key, _NETWORK_KINDS[key])
         given[key] = check_network_value(f"hardware.network.{key}", key, value)
-    return replace(profile, **given)
+    return replace(profile, **given, **_switches(network, given.get("rail_optimized")))
+
+
+_SWITCH_KEYS = {"topology", "spines", "nodes_per_leaf"}
+_MAX_SWITCHES = 1 << 16  # spines or nodes a leaf: far past any fabric, so the graph stays buildable
+
+
+def _switches(network: dict, rail_optimized: bool | None) -> dict:
+    """`hardware.network.topology` (the switches' layout, which sets `rail_optimized` to match), `spines` and
+    `nodes_per_leaf` (hardware/topology.py: a leaf's nodes decide which ring hops cross the spines)."""
+    out = {key: get_key("hardware.network", network, key, int, None, positive=True,
+                          maximum=_MAX_SWITCHES) for key in ("spines", "nodes_per_leaf")}
+    layout = get_key("hardware.network", network, "topology", str, None, choices=LAYOUTS)
+    if layout is not None:
+        if rail_optimized is not None and rail_optimized != (layout == "rail_optimized"):
+            raise ScenarioError(f"hardware.network.topology: {layout} contradicts rail_optimized: "
+                                f"{str(rail_optimized).lower()} (give one of them)")
+        out |= {"topology": layout, "rail_optimized": layout == "rail_optimized"}
+    return {key: value for key, value in out.items() if value is not None}
 
 
 def _reshard_after_forward(fsdp: dict, key: str, shard_size: int, default: bool | None) -> bool | int | None:
@@ -413,7 +432,8 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     return Scenario(name=_name(data, name), workload=workload, units=units, cluster=cluster,
                     settings=settings, wrap=wrap, sharding_strategy=strategy, safety_margin=margin, compute=options,
                     allocator=allocator_config(expect_mapping("allocator", data.get("allocator"))), zero_stage=zero_stage,
-                    variation=parse_variation(data.get("variation"), cluster.world_size, cluster.nodes))
+                    variation=parse_variation(data.get("variation"), cluster.world_size, cluster.nodes),
+                    link_faults=parse_links(data.get("variation"), cluster.nodes, cluster.fabric.network.nics_per_node))
 
 
 def load_scenario(path: str | Path) -> Scenario:

@@ -64,7 +64,7 @@ def op_costs(scenario: Scenario, paced: bool = True) -> OpCosts:
     return OpCosts(cluster, shard_size=s.shard_size, replicate_size=s.replicate_size,
                    compute_dtype=s.param_dtype, options=scenario.compute,
                    consecutive_groups={post_forward_group(k): k for k in s.post_forward_sizes},
-                   **tp_pricing(s, cluster))  # a tensor-parallel mesh's groups (none without TP)
+                   link_faults=scenario.link_faults, **tp_pricing(s, cluster))  # a TP mesh's groups (none without TP)
 
 
 # ranks `--per-rank` plays at most: four times the largest training job published, Llama 3 405B on 16,384

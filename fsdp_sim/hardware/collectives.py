@@ -143,15 +143,17 @@ def _size_curve(algo: str, group: ProcessGroup, fabric: Fabric) -> SizeCurve:
 
 
 def collective_time(kind: str, nbytes: float, group: ProcessGroup, fabric: Fabric,
-                    nccl: tuple[int, ...] = DEFAULT_NCCL) -> float:
+                    nccl: tuple[int, ...] = DEFAULT_NCCL, plateau_Bps: float | None = None) -> float:
     """Seconds for one `kind` collective of `nbytes` (AG: gathered output; RS: full input; AR: the buffer)
-    under the tuner of NCCL `nccl`."""
+    under the tuner of NCCL `nccl`; `plateau_Bps`: the plateau B found on the cluster graph instead of
+    the closed form's (`graph_pricing.py`), the size curve and latencies as ever."""
     _check_kind(kind)
     if group.ranks == 1 or nbytes <= 0:
         return 0.0
     algo = algorithm(kind, group, fabric)
     curve = _size_curve(algo, group, fabric)
-    wire = nbytes * bus_factor(kind, group.ranks) / plateau_busbw_Bps(kind, group, fabric)
+    plateau = plateau_Bps if plateau_Bps is not None else plateau_busbw_Bps(kind, group, fabric)
+    wire = nbytes * bus_factor(kind, group.ranks) / plateau
     shaped = wire / curve.fraction(wire)  # the measured curve's time, its own configuration's latency included
     latency = tuner_latency_s(kind, algo, group.ranks, group.nodes, fabric, nbytes, nccl)
     latency_ref = curve.latency_s

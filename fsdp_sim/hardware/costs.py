@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from fsdp_sim.hardware.collectives import ProcessGroup, collective_time, link_loads, shared_slowdown
 from fsdp_sim.hardware.compute import ComputeCosts
+from fsdp_sim.hardware.graph_pricing import GraphPricing, graph_pricing, needs_graph
 from fsdp_sim.hardware.host_link import HOST_GROUPS, HostCosts
 from fsdp_sim.hardware.kernels import ComputeOptions, KernelTimes
 from fsdp_sim.hardware.profiles import Cluster
 from fsdp_sim.hardware.software import nccl_version
+from fsdp_sim.hardware.variation import LinkFault
 from fsdp_sim.schedule.ops import COLLECTIVES, Op
 
 NCCL_HBM_TRAFFIC_PER_LINK_BYTE = 3.0  # HBM bytes per byte on the link: store, read back, user data [C24 nccl#1428]
@@ -34,11 +36,14 @@ class OpCosts:
 
     def __init__(self, cluster: Cluster, *, shard_size: int, replicate_size: int, compute_dtype: str,
                  options: ComputeOptions = ComputeOptions(), consecutive_groups: dict[str, int] | None = None,
-                 groups: dict[str, ProcessGroup] | None = None, ring_factors: dict[str, float] | None = None) -> None:
+                 groups: dict[str, ProcessGroup] | None = None, ring_factors: dict[str, float] | None = None,
+                 link_faults: tuple[LinkFault, ...] = (), graph: bool | None = None) -> None:
         """`consecutive_groups`: more process groups of consecutive ranks, by name and size (hpZ's
         post-forward groups, which the backward all-gathers run in over their own links). `groups`: every process
         group laid out by the caller instead (a tensor-parallel mesh, `schedule/tp.py`), `ring_factors` the
-        bytes a rank moves per byte of a collective in each group beyond these."""
+        bytes a rank moves per byte of a collective in each group beyond these. `link_faults`: NICs slow or
+        down (`variation.links`). `graph`: price the collectives on the cluster graph (True), by the closed
+        forms (False), or on the graph only where the closed forms cannot (None: `needs_graph`)."""
         gpu, gpn = cluster.gpu, cluster.gpus_per_node
         self.gpu = gpu
         self.compute = ComputeCosts(gpu, compute_dtype, options)
@@ -57,6 +62,9 @@ class OpCosts:
         self.ring |= ring_factors or {}
         self.nccl_channels = self.fabric.nccl_channels  # SMs one collective holds (profile, [C26])
         self._loads = {name: {k: link_loads(k, g, self.fabric) for k in COLLECTIVES} for name, g in self.groups.items()}
+        if graph is None:
+            graph = needs_graph(self.fabric, link_faults)
+        self.graph: GraphPricing | None = graph_pricing(cluster, link_faults, self.groups) if graph else None
         self._collective: dict[tuple, float] = {}  # by (kind, bytes, group): units of one size share a price
         self._demand: dict[int, float] = {}  # by op id: the engine asks at every change of the running set
         self._share: dict[int, float] = {}
@@ -73,8 +81,10 @@ class OpCosts:
             key = (kind, op.comm_bytes, op.group)
             t = self._collective.get(key)
             if t is None:
-                t = self._collective[key] = collective_time(kind, op.comm_bytes, self.groups[op.group], self.fabric,
-                                                                   self.nccl)
+                graph, name = self.graph, op.group
+                plateau = graph.busbw_Bps(name, kind) if graph is not None and graph.priced(name) else None
+                t = self._collective[key] = collective_time(kind, op.comm_bytes, self.groups[name], self.fabric,
+                                                            self.nccl, plateau)
             return t
         if op.group in HOST_GROUPS:
             return self.host.duration(op)
@@ -102,7 +112,7 @@ class OpCosts:
         demands = [self._hbm_demand(o) for o in comm]
         # collectives of different process groups in flight share the links both cross (HSDP's shard and
         # replicate groups meet on the NICs once a shard group spans nodes)
-        links = shared_slowdown([self._loads[o.group][o.kind] for o in comm]) if len(comm) > 1 else (1.0,)
+        links = self._links(comm) if len(comm) > 1 else (1.0,)
         memory_share = 0.0  # the most memory-bound compute op running, which the collectives share HBM with
         for o in running:
             if (o.kind == "compute" or o.kind == "copy") and (share := self._memory_share(o)) > memory_share:
@@ -122,6 +132,15 @@ class OpCosts:
             else:
                 out.append(1.0)  # a host copy runs on a copy engine, CPU work on the host: no SM nor HBM shared
         return out
+
+    def _links(self, comm: list[Op]) -> tuple[float, ...]:
+        """Each collective in flight slowed by the others on the links they share: on the graph's links
+        when it prices this fabric, else on the per-rank links of the closed forms."""
+        if self.graph is not None:
+            slowed = self.graph.slowdowns(tuple((o.group, o.kind) for o in comm))
+            if slowed is not None:
+                return slowed
+        return shared_slowdown([self._loads[o.group][o.kind] for o in comm])
 
     def _memory_share(self, op: Op) -> float:
         share = self._share.get(op.id)

@@ -22,6 +22,7 @@ from fsdp_sim.errors import ScenarioError, show
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 SCALE_UP_LINKS = {"nvswitch": "nvlink", "xgmi_mesh": "xgmi", "pcie": "pcie"}  # fabric.scale_up -> link name
+LAYOUTS = ("rail_optimized", "fat_tree")  # hardware.network.topology (topology.py lays them out)
 NETWORK_SCALARS = ("nics_per_node", "nic_gbps", "nic_efficiency", "rail_optimized", "oversubscription",
                    "hop_latency_s", "host_overhead_s")
 
@@ -100,7 +101,10 @@ class Nvls:
 
 @dataclass(frozen=True, slots=True)
 class Network:
-    """The node's NICs and the fabric between nodes (a scenario's `hardware.network` may override the scalars)."""
+    """The node's NICs and the fabric between nodes (a scenario's `hardware.network` may override the scalars).
+
+    `topology`, `spines` and `nodes_per_leaf` lay out the switches above the NICs (`topology.py`); only a
+    scenario sets them (None: the layout `rail_optimized` names, the layout's default switch counts)."""
 
     nics_per_node: int
     nic_gbps: float
@@ -110,6 +114,9 @@ class Network:
     hop_latency_s: float
     host_overhead_s: float
     size_curve: SizeCurve
+    topology: str | None = None
+    spines: int | None = None
+    nodes_per_leaf: int | None = None
 
     @property
     def node_goodput_Bps(self) -> float:

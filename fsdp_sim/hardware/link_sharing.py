@@ -75,12 +75,18 @@ class Sharing:
                      if bw > 0 else math.inf for f, bw in zip(flights, self.busbw_Bps))
 
 
-def share_links(graph: nx.DiGraph, flights: Sequence[InFlight], *, rule: str = "max_min") -> Sharing:
-    """Divide the graph's links among `flights` by `rule` (see the module docstring)."""
+def share_links(graph: nx.DiGraph, flights: Sequence[InFlight], *, rule: str = "max_min",
+                capacity: Mapping[Edge, float] | None = None) -> Sharing:
+    """Divide the graph's links among `flights` by `rule` (see the module docstring). `capacity`: each link's
+    bandwidth_Bps read from the graph once by a caller that shares many times (`graph_pricing.py`)."""
     if rule not in RULES:
         raise ValueError(f"rule {rule!r} is not one of {RULES}")
-    caps = {e: graph.edges[e]["bandwidth_Bps"] for f in flights for e in f.loads}
-    alone = tuple(alone_busbw_Bps(graph, f.loads) for f in flights)
+    if capacity is None:
+        edges = graph.edges
+        caps = {e: edges[e]["bandwidth_Bps"] for f in flights for e in f.loads}
+    else:
+        caps = {e: capacity[e] for f in flights for e in f.loads}
+    alone = tuple(alone_busbw_Bps(caps, f.loads) for f in flights)
     if rule == "max_min":
         busbw, bottleneck = _max_min(caps, flights)
     else:

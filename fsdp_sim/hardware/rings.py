@@ -93,10 +93,10 @@ def ring_loads(graph: nx.DiGraph, paths: Sequence[RingPath], kind: str) -> dict[
     return {e: load * cost if edges[e]["kind"] in SCALE_UP_EDGES else load for e, load in loads.items()}
 
 
-def alone_busbw_Bps(graph: nx.DiGraph, loads: Mapping[Edge, float]) -> float:
-    """The bus bandwidth a ring reaches with the links to itself: its tightest link's capacity / load."""
-    edges = graph.edges
-    return min((edges[e]["bandwidth_Bps"] / load for e, load in loads.items() if load > 0), default=math.inf)
+def alone_busbw_Bps(capacity: Mapping[Edge, float], loads: Mapping[Edge, float]) -> float:
+    """The bus bandwidth a ring reaches with the links to itself: its tightest link's capacity / load
+    (`capacity`: each link's bytes/s, the graph's `bandwidth_Bps`)."""
+    return min((capacity[e] / load for e, load in loads.items() if load > 0), default=math.inf)
 
 
 def group_layouts(graph: nx.DiGraph, group: ProcessGroup, *, node_stride: int = 1) -> list[list[str]]:

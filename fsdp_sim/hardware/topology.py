@@ -35,14 +35,16 @@ of `nodes_per_leaf` nodes, spines above. `fat_tree`: all of a node's NICs on its
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import networkx as nx
 
 from fsdp_sim.errors import ScenarioError, show
-from fsdp_sim.hardware.fabric import KINDS, SCALE_UP_LINKS
+from fsdp_sim.hardware.fabric import KINDS, LAYOUTS, SCALE_UP_LINKS
 from fsdp_sim.hardware.profiles import Cluster
+from fsdp_sim.hardware.variation import LinkFault
 
-TOPOLOGIES = ("rail_optimized", "fat_tree")
+TOPOLOGIES = LAYOUTS
 # A leaf switch's node-facing ports: a DGX SuperPOD scalable unit is 32 nodes, one leaf per rail, and four
 # SUs (128 nodes) take 32 leaves and 16 spines with 1024 node-leaf cables (NVIDIA DGX SuperPOD B200
 # reference architecture, docs.nvidia.com/dgx-superpod/reference-architecture-scalable-infrastructure-b200,
@@ -77,12 +79,13 @@ def nic_homes(gpus: int, nics: int) -> list[list[int]]:
 
 def build_topology(cluster: Cluster, *, topology: str | None = None, spines: int | None = None,
                    nodes_per_leaf: int | None = None) -> nx.DiGraph:
-    """The cluster's graph (see the module docstring). `spines`: default half the leaves (at least one);
+    """The cluster's graph (see the module docstring); each argument given overrides `hardware.network`'s
+    key of that name. `spines`: default half the leaves (at least one);
     with traffic spread evenly over the spines (ECMP) their number changes no capacity, only the picture.
     `nodes_per_leaf`: default `LEAF_DOWNLINKS` nodes a rail leaf, `LEAF_DOWNLINKS` NICs a fat-tree leaf."""
     fabric, net = cluster.fabric, cluster.fabric.network
-    if topology is None:
-        topology = "rail_optimized" if net.rail_optimized else "fat_tree"
+    topology = _given(topology, net.topology) or ("rail_optimized" if net.rail_optimized else "fat_tree")
+    spines, nodes_per_leaf = _given(spines, net.spines), _given(nodes_per_leaf, net.nodes_per_leaf)
     if topology not in TOPOLOGIES:
         raise ScenarioError(f"topology: {show(topology)} is not one of {list(TOPOLOGIES)}")
     for key, value in (("spines", spines), ("nodes_per_leaf", nodes_per_leaf)):
@@ -153,6 +156,26 @@ def with_bandwidth(graph: nx.DiGraph, node: str, bandwidth_Bps: float) -> nx.DiG
     out = graph.copy()
     for u, v in [*out.out_edges(node), *out.in_edges(node)]:
         out.edges[u, v]["bandwidth_Bps"] = float(bandwidth_Bps)
+    return out
+
+
+def _given(argument, scenario):
+    return scenario if argument is None else argument
+
+
+def with_faults(graph: nx.DiGraph, faults: Sequence[LinkFault], cluster: Cluster) -> nx.DiGraph:
+    """`graph` with `variation.links` applied: each NIC's links at its fraction of the NIC's goodput (0: down),
+    the NIC marked with `bandwidth_fraction` (a GraphML attribute a user's tools can find). One copy for all."""
+    if not faults:
+        return graph
+    out, nic_Bps = graph.copy(), nic_goodput_Bps(cluster)
+    for fault in faults:
+        nic = nic_name(fault.node, fault.nic)
+        if nic not in out:
+            raise ValueError(f"{nic!r} is not in the graph")
+        out.nodes[nic]["bandwidth_fraction"] = fault.bandwidth
+        for u, v in [*out.out_edges(nic), *out.in_edges(nic)]:
+            out.edges[u, v]["bandwidth_Bps"] = fault.bandwidth * nic_Bps
     return out
 
 

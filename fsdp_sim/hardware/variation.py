@@ -125,7 +125,7 @@ def parse_variation(raw, world_size: int = 1, nodes: int = 1) -> Variation:
     the relative standard deviation of per-GPU sustained compute rate (default DEFAULT_SPREAD; 0: every GPU
     alike, no cost of scale), the seed of `--per-rank`'s draws, and ranks or nodes named slow (or fast)."""
     raw = expect_mapping("variation", raw)
-    reject_unknown_keys("variation", raw, {"gpu_speed_spread", "seed", "stragglers", "nodes"})
+    reject_unknown_keys("variation", raw, {"gpu_speed_spread", "seed", "stragglers", "nodes", "links"})
     spread = get_key("variation", raw, "gpu_speed_spread", float, DEFAULT_SPREAD, maximum=MAX_SPREAD)
     if spread < 0:
         raise ScenarioError(f"variation.gpu_speed_spread: {spread} must be zero or more")
@@ -156,3 +156,44 @@ def _named(raw: dict, key: str, index: str, count: int) -> tuple[tuple[int, floa
                                 "rate relative to the mean GPU's")
         out[i] = speed
     return tuple(sorted(out.items()))
+
+
+# ---- variation.links: NICs at a fraction of their rate, or down -------------------------------------
+@dataclass(frozen=True, slots=True)
+class LinkFault:
+    """NIC `nic` of node `node` at `bandwidth` of its goodput: 0 down (NCCL routes over the node's other NICs,
+    PXN relaying over NVLink), between 0 and 1 a NIC that trained at a lower speed or drops packets."""
+
+    node: int
+    nic: int
+    bandwidth: float
+
+
+def parse_links(raw, nodes: int, nics_per_node: int) -> tuple[LinkFault, ...]:
+    """`variation.links: [{node, nic, bandwidth}]`, checked against the cluster (node and NIC indices from 0;
+    one entry a NIC; a node of a multi-node job keeps at least one NIC up, or its ring could not leave it)."""
+    entries = expect_mapping("variation", raw).get("links")
+    if entries is None:
+        return ()
+    if not isinstance(entries, list):
+        raise ScenarioError(f"variation.links: expected a list of {{node, nic, bandwidth}}, got {type(entries).__name__}")
+    faults: dict[tuple[int, int], LinkFault] = {}
+    for i, entry in enumerate(entries):
+        where = f"variation.links[{i}]"
+        entry = expect_mapping(where, entry)
+        reject_unknown_keys(where, entry, {"node", "nic", "bandwidth"})
+        node, nic = get_key(where, entry, "node", int), get_key(where, entry, "nic", int)
+        for key, value, count, what in (("node", node, nodes, "nodes"), ("nic", nic, nics_per_node, "NICs a node")):
+            if not 0 <= value < count:
+                raise ScenarioError(f"{where}.{key}: {value} is not in [0, {count - 1}] (the cluster has {count} {what})")
+        bandwidth = get_key(where, entry, "bandwidth", float, maximum=1.0)
+        if bandwidth < 0:
+            raise ScenarioError(f"{where}.bandwidth: {bandwidth} must be in [0, 1] (a fraction of the NIC's rate)")
+        if (node, nic) in faults:
+            raise ScenarioError(f"{where}: node {node} NIC {nic} is listed twice")
+        faults[node, nic] = LinkFault(node, nic, bandwidth)
+    for node in {k for k, _ in faults}:
+        down = sum(1 for (k, _), f in faults.items() if k == node and f.bandwidth == 0)
+        if nodes > 1 and down == nics_per_node:
+            raise ScenarioError(f"variation.links: every NIC of node {node} is down, so its ranks cannot reach the others")
+    return tuple(sorted(faults.values(), key=lambda f: (f.node, f.nic)))

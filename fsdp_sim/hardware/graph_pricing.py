@@ -1,0 +1,149 @@
+"""Collectives priced on the cluster graph: the bus bandwidth NCCL's rings get on the real links, and what
+collectives in flight cost each other on the links they really cross.
+
+Why a second pricing beside `collectives.py`'s closed forms. The closed forms are right on a uniform,
+non-blocking fabric: there a ring's bus bandwidth is min(scale-up ring plateau, the group's share of the
+node's NIC sum), and the graph gives exactly that (tests/test_topology.py, every profile and group shape).
+They cannot say what a NIC down or slow does (`variation.links`: the ring reroutes over the node's other
+NICs, PXN, and the slowest node paces it), nor where oversubscription bites: the closed form divides every
+off-rail ring by the core's oversubscription, where a ring in node order crosses a leaf's uplinks with one
+node's traffic (a 2:1 core is then no limit) and a ring whose every hop changes leaf (HSDP's replicate
+group over shard groups as large as a leaf, a job scattered over leaves) has every NIC of the leaf asking
+the uplinks at once, which halves it at 2:1. So the graph prices the collectives exactly when the fabric
+departs from uniform (`needs_graph`: oversubscription above 1, or a NIC fault), and the closed forms,
+which agree with it elsewhere, keep the default path free of its cost.
+
+What is computed, once. The graph for a (profile's fabric, nodes, GPUs a node, faults) is built once per
+process (`_GRAPHS`); each process group's SPMD layouts (every group of its shape runs the collective at
+once, `rings.group_layouts`) are laid once; the bus bandwidth of each (group, kind) is the slowest
+layout's with the links shared among all of them (max-min fair, `link_sharing.share_links`), and the
+slowdown of each set of collectives in flight (a tuple of (group, kind)) is found once and remembered:
+the engine meets only a handful of such sets in a step.
+
+Known limits: rings only (no Tree, PAT, NVLS across nodes); an NVLS all-reduce inside a node is shared
+with the others as the ring it would otherwise run; a group whose shape does not tile the cluster is
+priced by the closed forms.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import networkx as nx
+
+from fsdp_sim.hardware.collectives import ProcessGroup
+from fsdp_sim.hardware.fabric import KINDS, Fabric
+from fsdp_sim.hardware.link_sharing import InFlight, share_links
+from fsdp_sim.hardware.profiles import Cluster
+from fsdp_sim.hardware.rings import group_layouts, ring_loads, ring_paths, wire_cost
+from fsdp_sim.hardware.topology import SCALE_UP_EDGES, build_topology, with_faults
+from fsdp_sim.hardware.variation import LinkFault
+
+Entry = tuple[str, str]  # (process group name, collective kind)
+_GRAPHS: dict[tuple, nx.DiGraph] = {}
+_PRICINGS: dict[tuple, GraphPricing] = {}
+
+
+def needs_graph(fabric: Fabric, faults: Sequence[LinkFault]) -> bool:
+    """Whether the closed forms cannot price this fabric: a blocking core, or a NIC not at its full rate."""
+    return fabric.network.oversubscription > 1.0 or any(f.bandwidth < 1.0 for f in faults)
+
+
+def cluster_graph(cluster: Cluster, faults: Sequence[LinkFault] = ()) -> nx.DiGraph:
+    """The cluster's graph with its faults applied, built once per (fabric, nodes, GPUs a node, faults)."""
+    key = (cluster.gpu.name, cluster.fabric, cluster.nodes, cluster.gpus_per_node, tuple(faults))
+    graph = _GRAPHS.get(key)
+    if graph is None:
+        graph = _GRAPHS[key] = with_faults(build_topology(cluster), faults, cluster)
+    return graph
+
+
+def node_stride(name: str, group: ProcessGroup, nodes: int) -> int:
+    """How many nodes apart a group's consecutive nodes are: a replicate group's members sit one shard group
+    apart (node-major mesh, `costs.OpCosts`), every other group is consecutive ranks."""
+    if name == "replicate" and group.nodes < nodes and nodes % group.nodes == 0:
+        return nodes // group.nodes
+    return 1
+
+
+def graph_pricing(cluster: Cluster, faults: Sequence[LinkFault], groups: Mapping[str, ProcessGroup]) -> GraphPricing:
+    """The pricing of `groups` on `cluster`'s graph, one per (graph, groups) in the process."""
+    key = (cluster.gpu.name, cluster.fabric, cluster.nodes, cluster.gpus_per_node, tuple(faults),
+           tuple(sorted(groups.items())))
+    pricing = _PRICINGS.get(key)
+    if pricing is None:
+        pricing = _PRICINGS[key] = GraphPricing(cluster_graph(cluster, faults), groups)
+    return pricing
+
+
+class GraphPricing:
+    """Bus bandwidths and in-flight slowdowns of named process groups' collectives on one graph."""
+
+    def __init__(self, graph: nx.DiGraph, groups: Mapping[str, ProcessGroup]) -> None:
+        self.graph = graph
+        self.groups = dict(groups)
+        self._capacity = {(u, v): bw for u, v, bw in graph.edges(data="bandwidth_Bps")}  # read once, shared often
+        self._scale_up = {(u, v) for u, v, kind in graph.edges(data="kind") if kind in SCALE_UP_EDGES}
+        nodes = graph.graph["nodes"]
+        self._layouts: dict[str, list[list[str]] | None] = {}
+        for name, group in self.groups.items():
+            try:
+                self._layouts[name] = group_layouts(graph, group, node_stride=node_stride(name, group, nodes))
+            except ValueError:  # a shape that does not tile the cluster: the closed forms price it
+                self._layouts[name] = None
+        self._rings: dict[str, list[dict]] = {}
+        self._flights: dict[Entry, list[InFlight]] = {}
+        self._alone: dict[Entry, float] = {}
+        self._shared: dict[tuple[Entry, ...], tuple[float, ...] | None] = {}
+
+    def priced(self, name: str) -> bool:
+        """Whether the graph prices this group (it spans nodes and tiles the cluster)."""
+        return self.groups[name].nodes > 1 and self._layouts.get(name) is not None
+
+    def flights(self, entry: Entry) -> list[InFlight]:
+        """Every group of the entry's shape running its collective (1 byte: only the link loads matter)."""
+        flights = self._flights.get(entry)
+        if flights is None:
+            name, kind = entry
+            cost = wire_cost(self.graph, kind)
+            rings = self._rings.get(name)
+            if rings is None:  # the paths are the kind's own but for the scale-up links' wire cost: laid once
+                best = max(KINDS, key=lambda k: self.graph.graph[f"{k}_busbw_Bps"])  # wire cost 1
+                rings = self._rings[name] = [ring_loads(self.graph, ring_paths(self.graph, gpus), best)
+                                             for gpus in self._layouts[name]]
+            up = self._scale_up
+            flights = self._flights[entry] = [
+                InFlight(kind, 1.0, len(gpus), {e: load * cost if e in up else load for e, load in loads.items()})
+                for gpus, loads in zip(self._layouts[name], rings)]
+        return flights
+
+    def busbw_Bps(self, name: str, kind: str) -> float:
+        """Large-message bus bandwidth of `kind` on group `name` while every group of its shape runs it."""
+        entry = (name, kind)
+        bw = self._alone.get(entry)
+        if bw is None:
+            bw = self._alone[entry] = min(share_links(self.graph, self.flights(entry), capacity=self._capacity).busbw_Bps)
+        return bw
+
+    def slowdowns(self, entries: tuple[Entry, ...]) -> tuple[float, ...] | None:
+        """How much slower each collective in flight runs than alone (>= 1), every group of each shape
+        running it (SPMD); None when one of the groups is not laid on the graph."""
+        if entries in self._shared:
+            return self._shared[entries]
+        if any(self._layouts.get(name) is None for name, _ in entries):
+            self._shared[entries] = None
+            return None
+        flights, owner = [], []
+        for i, entry in enumerate(entries):
+            mine = self.flights(entry)
+            flights += mine
+            owner += [i] * len(mine)
+        shared = share_links(self.graph, flights, capacity=self._capacity).busbw_Bps
+        worst = [math.inf] * len(entries)
+        for i, bw in zip(owner, shared):
+            worst[i] = min(worst[i], bw)
+        out = tuple(1.0 if math.isinf(alone := self.busbw_Bps(*entry)) else max(1.0, alone / bw) if bw > 0
+                    else math.inf for entry, bw in zip(entries, worst))
+        self._shared[entries] = out
+        return out
