@@ -145,14 +145,16 @@ def _topology(args: argparse.Namespace) -> int:
     """The scenario's cluster as a graph (GPUs, scale-up switch, NICs, leaves, spines) in GraphML."""
     import networkx as nx
 
-    from fsdp_sim.hardware.topology import build_topology, describe
+    from fsdp_sim.hardware.topology import build_topology, describe, with_faults
     from fsdp_sim.scenario import load_scenario
 
     for flag, value in (("--spines", args.spines), ("--nodes-per-leaf", args.nodes_per_leaf)):
         if value is not None and value < 1:
             raise ScenarioError(f"{flag}: must be a positive integer, got {value}")
-    graph = build_topology(load_scenario(args.scenario).cluster, topology=args.topology, spines=args.spines,
+    scenario = load_scenario(args.scenario)
+    graph = build_topology(scenario.cluster, topology=args.topology, spines=args.spines,
                            nodes_per_leaf=args.nodes_per_leaf)
+    graph = with_faults(graph, scenario.link_faults, scenario.cluster)  # variation.links: NICs slow or down
     try:
         nx.write_graphml(graph, args.output)
     except OSError as exc:
@@ -457,10 +459,12 @@ def build_parser() -> argparse.ArgumentParser:
     topo.add_argument("-o", "--output", required=True, metavar="FILE.graphml", help="GraphML file to write")
     topo.add_argument("--topology", choices=("rail_optimized", "fat_tree"),
                       help="NIC i of every node on rail i's leaf, or each node's NICs on its group's leaf "
-                           "(default: the profile's fabric.network.rail_optimized)")
-    topo.add_argument("--spines", type=int, metavar="N", help="spine switches (default: half the leaves)")
+                           "(default: the scenario's hardware.network.topology, else its rail_optimized)")
+    topo.add_argument("--spines", type=int, metavar="N",
+                      help="spine switches (default: hardware.network.spines, else half the leaves)")
     topo.add_argument("--nodes-per-leaf", type=int, metavar="N",
-                      help="nodes under one leaf (default: 32 a rail leaf; 32 NIC ports a fat-tree leaf)")
+                      help="nodes under one leaf (default: hardware.network.nodes_per_leaf, else 32 a rail "
+                           "leaf; 32 NIC ports a fat-tree leaf)")
     topo.add_argument("-q", "--quiet", action="store_true", help="print nothing")
     topo.set_defaults(func=_topology)
     return parser

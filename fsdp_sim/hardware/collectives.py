@@ -48,6 +48,10 @@ runs at its 8-GPU plateau from 5 GPUs (H200 gains 1.14x over Ring at 5 to 1.29x 
 hardware.md 3.5; a TP group divides a node, so only 5- to 7-GPU nodes see it); NCCL's constants are
 2.21.5's and 2.27.3's, the versions read: older and newer releases take the nearest.
 
+Where these closed forms cannot answer (a blocking core: `oversubscription` above 1; a NIC slow or down:
+`variation.links`), `graph_pricing.py` finds B on the cluster graph and `collective_time` takes it as
+`plateau_Bps`, the size curve and latency as here; on a uniform non-blocking fabric the two agree.
+
 Links shared by collectives in flight on different process groups: `links_crossed` names the per-rank
 resources a group's collective uses ("nvlink" / "xgmi" / "pcie" for this GPU's scale-up ports, "nic" for
 its share of the node's NICs), `link_loads` how much of each it uses running alone (1 on its bottleneck),

@@ -187,4 +187,13 @@ def describe(graph: nx.DiGraph) -> str:
     g = graph.graph
     return (f"{kinds.get('gpu', 0)} GPUs on {g['nodes']} nodes ({g['profile']}, {g['scale_up']}), "
             f"{kinds.get('nic', 0)} NICs, {kinds.get('leaf', 0)} leaves, {kinds.get('spine', 0)} spines "
-            f"({g['topology']}); {graph.number_of_nodes()} vertices, {graph.number_of_edges()} directed links")
+            f"({g['topology']}); {graph.number_of_nodes()} vertices, {graph.number_of_edges()} directed links"
+            f"{_faults(graph)}")
+
+
+def _faults(graph: nx.DiGraph) -> str:
+    marked = [(v, f) for v, f in graph.nodes(data="bandwidth_fraction") if f is not None]
+    if not marked:
+        return ""
+    down = sum(1 for _, f in marked if f == 0)
+    return f"; {down} NIC{'s' if down != 1 else ''} down, {len(marked) - down} slow (variation.links)"
