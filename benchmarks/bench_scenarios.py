@@ -25,7 +25,7 @@ from pathlib import Path
 import simpy
 
 from fsdp_sim.engine import reserved
-from fsdp_sim.hardware import compute, kernels, profiles, variation
+from fsdp_sim.hardware import compute, graph_pricing, kernels, profiles, variation
 from fsdp_sim.scenario import load_scenario
 from fsdp_sim.schedule import build, optimizers, param_dtypes
 from fsdp_sim.simulate import simulate
@@ -39,13 +39,15 @@ def clear_memos() -> None:
     """Empty every memo this process keeps between steps: the allocator replays and their digests, the
     last build (a sweep's twin graphs, which share `OpGraph.derived`), the kernel prices, what is derived
     from a workload, the unit shards, the remembered workloads, recipes, kernels, GEMM factors, profiles and
-    the slowest rank's paced profiles and k_N (the normal grid they integrate over is a table of the
+    the slowest rank's paced profiles and k_N, the cluster graphs and their pricings (the normal grid they integrate over is a table of the
     standard normal, the same for every scenario, like an import, so it stays)."""
     reserved.MEMO.clear()
     for thread_local in (reserved._last_key, reserved._last_order, build._last):
         thread_local.__dict__.clear()
     compute._SHARED.clear()
     variation._PACED.clear()
+    graph_pricing._GRAPHS.clear()
+    graph_pricing._PRICINGS.clear()
     model._BY_WORKLOAD.clear()
     param_dtypes._UNIT_SHARDS.clear()
     for cached in (optimizers._state_bytes, transformer._from_recipe, transformer._gemm_shapes,

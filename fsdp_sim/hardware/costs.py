@@ -112,7 +112,12 @@ class OpCosts:
         demands = [self._hbm_demand(o) for o in comm]
         # collectives of different process groups in flight share the links both cross (HSDP's shard and
         # replicate groups meet on the NICs once a shard group spans nodes)
-        links = self._links(comm) if len(comm) > 1 else (1.0,)
+        if len(comm) == 1:
+            links = (1.0,)
+        elif self.graph is None:  # the closed forms' per-rank links
+            links = shared_slowdown([self._loads[o.group][o.kind] for o in comm])
+        else:
+            links = self._graph_links(comm)
         memory_share = 0.0  # the most memory-bound compute op running, which the collectives share HBM with
         for o in running:
             if (o.kind == "compute" or o.kind == "copy") and (share := self._memory_share(o)) > memory_share:
@@ -133,14 +138,11 @@ class OpCosts:
                 out.append(1.0)  # a host copy runs on a copy engine, CPU work on the host: no SM nor HBM shared
         return out
 
-    def _links(self, comm: list[Op]) -> tuple[float, ...]:
-        """Each collective in flight slowed by the others on the links they share: on the graph's links
-        when it prices this fabric, else on the per-rank links of the closed forms."""
-        if self.graph is not None:
-            slowed = self.graph.slowdowns(tuple((o.group, o.kind) for o in comm))
-            if slowed is not None:
-                return slowed
-        return shared_slowdown([self._loads[o.group][o.kind] for o in comm])
+    def _graph_links(self, comm: list[Op]) -> tuple[float, ...]:
+        """Each collective in flight slowed by the others on the graph's links they share (the closed
+        forms' per-rank links for a group the graph does not lay out)."""
+        slowed = self.graph.slowdowns(tuple((o.group, o.kind) for o in comm))
+        return slowed if slowed is not None else shared_slowdown([self._loads[o.group][o.kind] for o in comm])
 
     def _memory_share(self, op: Op) -> float:
         share = self._share.get(op.id)

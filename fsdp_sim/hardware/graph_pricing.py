@@ -13,6 +13,15 @@ the uplinks at once, which halves it at 2:1. So the graph prices the collectives
 departs from uniform (`needs_graph`: oversubscription above 1, or a NIC fault), and the closed forms,
 which agree with it elsewhere, keep the default path free of its cost.
 
+How links are shared. Among the groups of one shape (SPMD) max-min fair: alike rings on alike links get
+alike shares. Among collectives of different shapes in flight, the closed forms' proportional rule
+(`collectives.shared_slowdown`) on the links really crossed: each asks for its SPMD rate, a link asked L
+times its capacity slows everything crossing it L times, a collective is slowed by its most asked link.
+Max-min in bus-bandwidth units would be wrong there: a shard ring puts 1/8 of its rate on each NIC, a
+replicate ring all of its own on one, so equal bus bandwidths would starve the shard ring to an eighth of
+the NIC, where a NIC serving its flows in turn gives each flow its half. Where the graph's links are the
+closed forms' per-rank links (a uniform non-blocking fabric) the two give the same slowdowns.
+
 What is computed, once. The graph for a (profile's fabric, nodes, GPUs a node, faults) is built once per
 process (`_GRAPHS`); each process group's SPMD layouts (every group of its shape runs the collective at
 once, `rings.group_layouts`) are laid once; the bus bandwidth of each (group, kind) is the slowest
@@ -134,12 +143,14 @@ class GraphPricing:
         if any(self._layouts.get(name) is None for name, _ in entries):
             self._shared[entries] = None
             return None
-        flights, owner = [], []
+        flights, owner, alone = [], [], []
         for i, entry in enumerate(entries):
             mine = self.flights(entry)
             flights += mine
             owner += [i] * len(mine)
-        shared = share_links(self.graph, flights, capacity=self._capacity).busbw_Bps
+            alone += [self.busbw_Bps(*entry)] * len(mine)
+        shared = share_links(self.graph, flights, rule="proportional", capacity=self._capacity,
+                             alone_Bps=alone).busbw_Bps
         worst = [math.inf] * len(entries)
         for i, bw in zip(owner, shared):
             worst[i] = min(worst[i], bw)

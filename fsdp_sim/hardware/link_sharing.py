@@ -76,9 +76,11 @@ class Sharing:
 
 
 def share_links(graph: nx.DiGraph, flights: Sequence[InFlight], *, rule: str = "max_min",
-                capacity: Mapping[Edge, float] | None = None) -> Sharing:
+                capacity: Mapping[Edge, float] | None = None, alone_Bps: Sequence[float] | None = None) -> Sharing:
     """Divide the graph's links among `flights` by `rule` (see the module docstring). `capacity`: each link's
-    bandwidth_Bps read from the graph once by a caller that shares many times (`graph_pricing.py`)."""
+    bandwidth_Bps read from the graph once by a caller that shares many times (`graph_pricing.py`).
+    `alone_Bps`: what each flight runs at without the others, where that is not its links to itself (the
+    proportional rule asks the links for it; `graph_pricing` gives each the rate of its SPMD shape)."""
     if rule not in RULES:
         raise ValueError(f"rule {rule!r} is not one of {RULES}")
     if capacity is None:
@@ -86,7 +88,7 @@ def share_links(graph: nx.DiGraph, flights: Sequence[InFlight], *, rule: str = "
         caps = {e: edges[e]["bandwidth_Bps"] for f in flights for e in f.loads}
     else:
         caps = {e: capacity[e] for f in flights for e in f.loads}
-    alone = tuple(alone_busbw_Bps(caps, f.loads) for f in flights)
+    alone = tuple(alone_Bps) if alone_Bps is not None else tuple(alone_busbw_Bps(caps, f.loads) for f in flights)
     if rule == "max_min":
         busbw, bottleneck = _max_min(caps, flights)
     else:
