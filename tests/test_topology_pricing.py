@@ -65,6 +65,7 @@ def test_the_default_path_prices_by_the_closed_forms_and_builds_no_graph():
     assert _costs(_cluster(4, oversubscription=2.0), 32).graph is not None
     assert _costs(_cluster(4), 32, link_faults=(LinkFault(1, 2, 0.0),)).graph is not None
     assert _costs(_cluster(4), 32, link_faults=(LinkFault(1, 2, 1.0),)).graph is None  # at full rate: no fault
+    assert _costs(_cluster(1, oversubscription=2.0), 8, link_faults=(LinkFault(0, 2, 0.0),)).graph is None  # no NIC used
 
 
 @pytest.mark.parametrize("name, fsdp", [

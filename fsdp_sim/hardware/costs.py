@@ -63,7 +63,7 @@ class OpCosts:
         self.nccl_channels = self.fabric.nccl_channels  # SMs one collective holds (profile, [C26])
         self._loads = {name: {k: link_loads(k, g, self.fabric) for k in COLLECTIVES} for name, g in self.groups.items()}
         if graph is None:
-            graph = needs_graph(self.fabric, link_faults)
+            graph = needs_graph(cluster, link_faults)
         self.graph: GraphPricing | None = graph_pricing(cluster, link_faults, self.groups) if graph else None
         self._collective: dict[tuple, float] = {}  # by (kind, bytes, group): units of one size share a price
         self._demand: dict[int, float] = {}  # by op id: the engine asks at every change of the running set

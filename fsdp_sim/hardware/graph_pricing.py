@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 import networkx as nx
 
 from fsdp_sim.hardware.collectives import ProcessGroup
-from fsdp_sim.hardware.fabric import KINDS, Fabric
+from fsdp_sim.hardware.fabric import KINDS
 from fsdp_sim.hardware.link_sharing import InFlight, share_links
 from fsdp_sim.hardware.profiles import Cluster
 from fsdp_sim.hardware.rings import group_layouts, ring_loads, ring_paths, wire_cost
@@ -52,11 +52,23 @@ from fsdp_sim.hardware.variation import LinkFault
 Entry = tuple[str, str]  # (process group name, collective kind)
 _GRAPHS: dict[tuple, nx.DiGraph] = {}
 _PRICINGS: dict[tuple, GraphPricing] = {}
+# graphs kept per process: a sweep over faults or fabrics meets each point's once, and a 1,024-GPU graph
+# with its rings' loads is some MB, so the oldest goes when a ninth arrives
+_KEPT = 8
 
 
-def needs_graph(fabric: Fabric, faults: Sequence[LinkFault]) -> bool:
-    """Whether the closed forms cannot price this fabric: a blocking core, or a NIC not at its full rate."""
-    return fabric.network.oversubscription > 1.0 or any(f.bandwidth < 1.0 for f in faults)
+def _remember(memo: dict, key, value):
+    if len(memo) >= _KEPT:
+        del memo[next(iter(memo))]
+    memo[key] = value
+    return value
+
+
+def needs_graph(cluster: Cluster, faults: Sequence[LinkFault]) -> bool:
+    """Whether the closed forms cannot price this cluster: it spans nodes and has a blocking core, or a NIC
+    not at its full rate (one node's collectives never reach its NICs)."""
+    return cluster.nodes > 1 and (cluster.fabric.network.oversubscription > 1.0
+                                  or any(f.bandwidth < 1.0 for f in faults))
 
 
 def cluster_graph(cluster: Cluster, faults: Sequence[LinkFault] = ()) -> nx.DiGraph:
@@ -64,7 +76,7 @@ def cluster_graph(cluster: Cluster, faults: Sequence[LinkFault] = ()) -> nx.DiGr
     key = (cluster.gpu.name, cluster.fabric, cluster.nodes, cluster.gpus_per_node, tuple(faults))
     graph = _GRAPHS.get(key)
     if graph is None:
-        graph = _GRAPHS[key] = with_faults(build_topology(cluster), faults, cluster)
+        graph = _remember(_GRAPHS, key, with_faults(build_topology(cluster), faults, cluster))
     return graph
 
 
@@ -82,7 +94,7 @@ def graph_pricing(cluster: Cluster, faults: Sequence[LinkFault], groups: Mapping
            tuple(sorted(groups.items())))
     pricing = _PRICINGS.get(key)
     if pricing is None:
-        pricing = _PRICINGS[key] = GraphPricing(cluster_graph(cluster, faults), groups)
+        pricing = _remember(_PRICINGS, key, GraphPricing(cluster_graph(cluster, faults), groups))
     return pricing
 
 
