@@ -217,11 +217,12 @@ def test_bad_network_or_links_is_one_line_exit_2(tmp_path, capsys, network, vari
     assert capsys.readouterr().err.count("\n") == 1
 
 
-def test_topology_command_marks_the_faulted_nics(tmp_path):
+def test_topology_command_marks_the_faulted_nics(tmp_path, capsys):
     path = _scenario(tmp_path, {"profile": "h100-sxm", "nodes": 2},
                      {"links": [{"node": 1, "nic": 3, "bandwidth": 0}, {"node": 0, "nic": 5, "bandwidth": 0.5}]})
     out = tmp_path / "cluster.graphml"
-    assert main(["topology", str(path), "-o", str(out), "-q"]) == 0
+    assert main(["topology", str(path), "-o", str(out)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("; 1 NIC down, 1 slow (variation.links)")
     graph = nx.read_graphml(out)
     assert graph.nodes["n1/nic3"]["bandwidth_fraction"] == 0.0 and graph.nodes["n0/nic5"]["bandwidth_fraction"] == 0.5
     assert "bandwidth_fraction" not in graph.nodes["n0/nic3"]

@@ -121,7 +121,9 @@ class Network:
     @property
     def node_goodput_Bps(self) -> float:
         """Sum of the node's NIC goodput, B/s. A rail-optimized fabric keeps a ring's NIC-to-NIC hops on one
-        rail [C30 via component-timing 6.4], so the core's oversubscription applies only without rails."""
+        rail [C30 via component-timing 6.4], so the core's oversubscription applies only without rails. With
+        oversubscription above 1, `graph_pricing.py` prices the rings on the cluster graph instead (only the hops
+        that cross a leaf's uplinks share them); this uniform charge stays for a group the graph cannot lay."""
         core = 1.0 if self.rail_optimized else self.oversubscription
         return self.nics_per_node * self.nic_gbps * 1e9 / 8 * self.nic_efficiency / core
 

@@ -13,6 +13,9 @@ Two rules divide a link among the collectives crossing it:
   the same loads it gives the same numbers. It can leave capacity idle (a collective slowed by one link
   still counts its full demand on the others), which is why it is not the default.
 
+Pricing (`graph_pricing.py`) uses max-min among the groups of one shape, alike rings on alike links, and the
+proportional rule between collectives of different shapes, whose loads on a shared link differ.
+
 Both agree where one link is shared by collectives that all want it whole: two alike on one link run
 at half their rate each (`shared_slowdown([{"nic"}, {"nic"}]) == (2.0, 2.0)`).
 
