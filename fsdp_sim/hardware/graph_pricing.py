@@ -45,7 +45,7 @@ from fsdp_sim.hardware.collectives import ProcessGroup
 from fsdp_sim.hardware.fabric import KINDS
 from fsdp_sim.hardware.link_sharing import InFlight, share_links
 from fsdp_sim.hardware.profiles import Cluster
-from fsdp_sim.hardware.rings import group_layouts, ring_loads, ring_paths, wire_cost
+from fsdp_sim.hardware.rings import alone_busbw_Bps, group_layouts, ring_loads, ring_paths, wire_cost
 from fsdp_sim.hardware.topology import SCALE_UP_EDGES, build_topology, with_faults
 from fsdp_sim.hardware.variation import LinkFault
 
@@ -144,7 +144,9 @@ class GraphPricing:
         entry = (name, kind)
         bw = self._alone.get(entry)
         if bw is None:
-            bw = self._alone[entry] = min(share_links(self.graph, self.flights(entry), capacity=self._capacity).busbw_Bps)
+            flights = self.flights(entry)
+            bw = self._alone[entry] = (alone_busbw_Bps(self._capacity, flights[0].loads) if len(flights) == 1 else
+                                       min(share_links(self.graph, flights, capacity=self._capacity).busbw_Bps))
         return bw
 
     def slowdowns(self, entries: tuple[Entry, ...]) -> tuple[float, ...] | None:

@@ -151,8 +151,9 @@ def _attached(graph: nx.DiGraph, nic: str) -> list[str]:
 
 
 def _up(graph: nx.DiGraph, nic: str) -> bool:
-    links = [*graph.out_edges(nic, data="bandwidth_Bps"), *graph.in_edges(nic, data="bandwidth_Bps")]
-    return all(bw > 0 for _, _, bw in links)
+    """Every link of the NIC carries traffic (read from the adjacency directly: a ring asks for every NIC)."""
+    return all(d["bandwidth_Bps"] > 0 for d in graph.succ[nic].values()) and \
+        all(d["bandwidth_Bps"] > 0 for d in graph.pred[nic].values())
 
 
 def _channels(graph: nx.DiGraph, node: int, members: list[str]) -> dict[int, float]:
