@@ -1,0 +1,380 @@
+"""What Inductor makes of one torchtitan Llama-3 block: its kernels, their bytes, and the saved set.
+
+torchtitan compiles each `TransformerBlock` on its own (`apply_compile`: `torch.compile(block,
+fullgraph=True)`) before `fully_shard`, so FSDP2's hooks, which run around the block's forward and
+backward, stay outside the compiled region (they are `torch._dynamo.disable`d: a hook inside would
+break the graph). One block is therefore one Dynamo graph, which AOTAutograd splits into a forward
+and a backward graph with its min-cut partitioner, and Inductor lowers each into a list of scheduler
+nodes: generated (fused) kernels and library calls (`mm`, SDPA) it does not generate.
+
+`extract(cfg)` compiles a block on the CPU build of torch, forward and backward, and reads, after
+Inductor's fusion pass, every scheduler node of both graphs: its kind (generated or library call),
+the ATen ops fused into it, and the bytes it reads and writes (`get_read_buffer_sizes` /
+`get_write_buffer_sizes`, Inductor's own count: each buffer at most once, intermediates that stay
+on chip not counted). The backward graph's inputs, less the output's gradient, are what the
+partitioner saved: what the block keeps for backward under torch.compile.
+
+The CPU backend (`CppScheduling`) and the CUDA one (`TritonScheduling`) share the scheduler's fusion
+pass (`Scheduler.fuse_nodes`: vertical fusion of producers into consumers, horizontal fusion of
+nodes reading the same inputs, reductions with their pointwise prologue and epilogue). They differ
+where a backend says `can_fuse` differently: the CPU backend can fuse a reduction with a following
+reduction over the same outer loop ("outer loop fusion"), which Triton does in one persistent or
+looped reduction kernel too, and CUDA has templates (matmul epilogues under `max-autotune`, flex
+attention) the CPU default mode does not use. Library calls are the same on both: `mm` is an extern
+kernel (cuBLAS on CUDA without `max-autotune`), SDPA a fallback (`_scaled_dot_product_flash_attention`
+on CUDA, `..._for_cpu` here).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+try:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+except ImportError as exc:  # pragma: no cover - exercised only without torch
+    raise ImportError("fsdp_sim.torch_tools needs PyTorch; pip install torch==2.13.0") from exc
+
+__all__ = ["BlockConfig", "LlamaBlock", "Node", "Extraction", "extract", "terms"]
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    """A torchtitan Llama-3 block's dimensions. The defaults keep every size distinct from the others,
+    so that each buffer's element count names the product it is (tokens x hidden, tokens x ffn, ...)."""
+
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 1
+    ffn: int = 704
+    batch: int = 2
+    seq: int = 40
+    dtype: str = "bf16"
+    rope: str = "complex"  # torchtitan's complex multiply; "rotate_half" is Hugging Face's form
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+def _rope_complex(xq, xk, freqs_cis):
+    """torchtitan's `apply_rotary_emb` (models/llama3/model/model.py)."""
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    f = freqs_cis[: xq.shape[1]].view(1, xq.shape[1], 1, xq_.shape[-1])
+    return torch.view_as_real(xq_ * f).flatten(3).type_as(xq), torch.view_as_real(xk_ * f).flatten(3).type_as(xk)
+
+
+def _rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope_rotate_half(xq, xk, cos, sin):
+    """transformers' `apply_rotary_pos_emb` (models/llama/modeling_llama.py), on (b, s, heads, d)."""
+    cos, sin = cos[: xq.shape[1]].view(1, xq.shape[1], 1, -1), sin[: xq.shape[1]].view(1, xq.shape[1], 1, -1)
+    return xq * cos + _rotate_half(xq) * sin, xk * cos + _rotate_half(xk) * sin
+
+
+class LlamaBlock(nn.Module):
+    """torchtitan's `TransformerBlock` (llama3): h = x + wo(sdpa(rope(wq n1), rope(wk n1), wv n1)),
+    out = h + w2(silu(w1 n2) * w3 n2), n1 / n2 = `nn.RMSNorm`, GQA k and v repeated to every head."""
+
+    def __init__(self, cfg: BlockConfig) -> None:
+        super().__init__()
+        h, hd = cfg.hidden, cfg.head_dim
+        self.cfg = cfg
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(h, eps=cfg.norm_eps), nn.RMSNorm(h, eps=cfg.norm_eps)
+        self.wq, self.wk = nn.Linear(h, cfg.heads * hd, bias=False), nn.Linear(h, cfg.kv_heads * hd, bias=False)
+        self.wv, self.wo = nn.Linear(h, cfg.kv_heads * hd, bias=False), nn.Linear(cfg.heads * hd, h, bias=False)
+        self.w1, self.w3 = nn.Linear(h, cfg.ffn, bias=False), nn.Linear(h, cfg.ffn, bias=False)
+        self.w2 = nn.Linear(cfg.ffn, h, bias=False)
+
+    def attention(self, x, rope):
+        cfg = self.cfg
+        bs, s, _ = x.shape
+        xq = self.wq(x).view(bs, s, -1, cfg.head_dim)
+        xk = self.wk(x).view(bs, s, -1, cfg.head_dim)
+        xv = self.wv(x).view(bs, s, -1, cfg.head_dim)
+        if cfg.rope == "complex":
+            xq, xk = _rope_complex(xq, xk, rope)
+        else:
+            xq, xk = _rope_rotate_half(xq, xk, *rope)
+        rep = cfg.heads // cfg.kv_heads
+        if rep > 1:  # torchtitan's repeat_kv
+            xk = xk.unsqueeze(3).expand(bs, s, cfg.kv_heads, rep, cfg.head_dim).reshape(bs, s, cfg.heads, cfg.head_dim)
+            xv = xv.unsqueeze(3).expand(bs, s, cfg.kv_heads, rep, cfg.head_dim).reshape(bs, s, cfg.heads, cfg.head_dim)
+        out = F.scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).contiguous().view(bs, s, -1))
+
+    def forward(self, x, rope):
+        """`rope`: the model's precomputed rotary table, an input of each block as in torchtitan
+        (`freqs_cis`, complex64), or (cos, sin) in the activation dtype for the rotate_half form."""
+        h = x + self.attention(self.attention_norm(x), rope)
+        n = self.ffn_norm(h)
+        return h + self.w2(F.silu(self.w1(n)) * self.w3(n))
+
+
+def rope_table(cfg: BlockConfig):
+    """The rotary table torchtitan's `precompute_freqs_cis` makes (complex64), or transformers' cos / sin."""
+    hd = cfg.head_dim
+    freqs = 1.0 / (10000.0 ** (torch.arange(0, hd, 2).float() / hd))
+    angles = torch.outer(torch.arange(cfg.seq).float(), freqs)
+    if cfg.rope == "complex":
+        return torch.polar(torch.ones_like(angles), angles)
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos().to(_dtype(cfg.dtype)), emb.sin().to(_dtype(cfg.dtype))
+
+
+def _dtype(name: str):
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+@dataclass
+class Node:
+    """One scheduler node after fusion: a generated kernel or a library call."""
+
+    graph: str  # "forward" | "backward"
+    kind: str  # "generated" | "library" | "view" (no kernel: a reinterpretation)
+    name: str  # the kernel's name (generated: `cpp_fused_<ops>`), or the library op
+    ops: tuple[str, ...]  # the ATen ops fused into it (Inductor's origins), sorted
+    read_bytes: int
+    write_bytes: int
+    reads: dict[str, int] = field(default_factory=dict)  # buffer -> bytes read
+    writes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Extraction:
+    cfg: BlockConfig
+    nodes: list[Node]
+    saved: list[tuple[str, tuple[int, ...], str]]  # the backward graph's inputs (name, shape, dtype) but tangents
+    graphs: int  # Dynamo graphs (1: no graph break)
+    eager_saved_bytes: int = 0  # what eager autograd keeps for the same block (saved_tensors_hooks)
+    inputs: dict[str, dict[str, int]] = field(default_factory=dict)  # graph -> its inputs' bytes
+    outputs: dict[str, list[str]] = field(default_factory=dict)  # graph -> its output buffers
+
+    def kernels(self, graph: str) -> list[Node]:
+        """The kernels `graph` launches: generated ones and library calls, not views."""
+        return [n for n in self.nodes if n.graph == graph and n.kind != "view"]
+
+    def saved_bytes(self, *, activations_only: bool = True) -> int:
+        """Bytes of the partitioner's saved set; `activations_only`: less the block's input and
+        parameters (the forward graph's `primals`), which FSDP and the previous block own."""
+        total = 0
+        for name, shape, dtype in self.saved:
+            if activations_only and name.startswith("primals"):
+                continue
+            total += math.prod(shape) * _dtype_size(dtype)
+        return total
+
+    def transient(self, graph: str) -> tuple[int, int]:
+        """(peak, end): the graph's peak of live buffers above what it starts with, and the level it
+        ends at (what it returns: the forward's output and saved set, the backward's gradients),
+        Inductor's schedule played in
+        order: each kernel's outputs allocated when it runs, a buffer freed after its last reader unless
+        the graph returns it, an input of the backward (a saved tensor) freed after its last reader too
+        (the compiled backward takes them boxed and drops each once dead)."""
+        nodes = [n for n in self.nodes if n.graph == graph]
+        alias: dict[str, str] = {}
+        last: dict[str, int] = {}
+        for i, n in enumerate(nodes):
+            for r in n.reads:
+                last[_root(alias, r)] = i
+            if n.kind == "view":
+                for w in n.writes:
+                    alias[w] = _root(alias, next(iter(n.reads), w))
+        keep = {_root(alias, o) for o in self.outputs.get(graph, [])}
+        free_inputs = graph == "backward"
+        live = dict(self.inputs.get(graph, {})) if free_inputs else {}
+        start = level = peak = sum(live.values())
+        for i, n in enumerate(nodes):
+            if n.kind != "view":
+                for w, b in n.writes.items():
+                    if w not in live:
+                        live[w] = b
+                        level += b
+            peak = max(peak, level)
+            for name, at in list(last.items()):
+                if at == i and name in live and name not in keep:
+                    level -= live.pop(name)
+        return peak - start, level - start
+
+
+VIEW_OPS = ("view_as_complex", "view_as_real", "reshape", "_conj", "view", "permute", "expand", "squeeze",
+            "unsqueeze", "transpose", "alias")  # a library call that only reinterprets: no kernel on CUDA
+
+
+def _dtype_size(name: str) -> int:
+    return getattr(torch, name).itemsize
+
+
+def _root(alias: dict[str, str], name: str) -> str:
+    while name in alias:
+        name = alias[name]
+    return name
+
+
+def _origins(node) -> tuple[str, ...]:
+    ops = set()
+    for sn in node.get_nodes():
+        for o in getattr(sn.node, "origins", ()) or ():
+            if o.op == "call_function":
+                ops.add(str(getattr(o.target, "__name__", o.target)).split(".")[0])
+    return tuple(sorted(ops))
+
+
+def _record(scheduler, graph: str, out: list[Node]) -> None:
+    from torch._inductor import scheduler as sch
+
+    from torch._inductor import ir
+
+    by_buffer: dict[str, Node] = {}
+    for node in scheduler.nodes:
+        if isinstance(node, sch.ExternKernelSchedulerNode) and isinstance(node.node, ir.MultiOutput):
+            # one output of a multi-output library call (SDPA's out, logsumexp, ...): that call's write
+            _, writes = _extern_bytes(node)
+            parent = by_buffer[node.node.inputs[0].get_name()]
+            parent.writes.update(writes)
+            parent.write_bytes = sum(parent.writes.values())
+            for w in writes:
+                by_buffer[w] = parent
+            continue
+        if isinstance(node, sch.NopKernelSchedulerNode):
+            kind, name = "view", "nop"
+        elif isinstance(node, sch.ExternKernelSchedulerNode):
+            kind = "library"
+            op = getattr(node.node, "op_overload", None) or getattr(node.node, "python_kernel_name", None)
+            name = str(op or type(node.node).__name__)
+            if name.split(".")[1:2] and name.split(".")[1] in VIEW_OPS:
+                kind = "view"
+        else:
+            kind, name = "generated", "fused_" + "_".join(_origins(node))[:120]
+        reads = node.get_read_write_buffer_accesses(include_reads=True, include_writes=False)
+        writes = node.get_read_write_buffer_accesses(include_reads=False, include_writes=True)
+        if kind != "generated":  # Inductor does not count an extern kernel's bytes (it takes 1e9 elements)
+            reads, writes = _extern_bytes(node)
+        out.append(Node(graph, kind, name, _origins(node), sum(reads.values()), sum(writes.values()),
+                        dict(reads), dict(writes)))
+        for b in node.get_outputs():
+            by_buffer[b.get_name()] = out[-1]
+
+
+def _extern_bytes(node) -> tuple[dict[str, int], dict[str, int]]:
+    """An extern kernel's inputs and outputs, each whole: what a library call reads and writes."""
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    def size(buf) -> int:
+        layout = buf.get_layout()
+        numel = V.graph.sizevars.optimization_hint(math.prod(layout.size), fallback=0) if layout.size else 1
+        return int(numel) * layout.dtype.itemsize
+
+    reads = {}
+    for inp in getattr(node.node, "inputs", ()) or ():
+        for b in inp if isinstance(inp, (list, tuple)) else (inp,):
+            if hasattr(b, "get_layout") and not isinstance(getattr(b, "layout", None), ir.MultiOutputLayout):
+                reads[b.get_name()] = size(b)
+    writes = {b.get_name(): size(b.node) for b in node.get_outputs()
+              if not isinstance(b.node.layout, ir.MultiOutputLayout)}
+    return reads, writes
+
+
+def extract(cfg: BlockConfig = BlockConfig()) -> Extraction:
+    """Compile `LlamaBlock(cfg)` as torchtitan does (fullgraph, default mode), run forward and backward
+    once, and read Inductor's scheduler nodes of both graphs and the partitioner's saved set."""
+    import torch._dynamo
+    import torch._functorch.config
+    import torch._inductor.config
+    from torch._inductor import scheduler as sch
+    from torch._inductor.virtualized import V
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = LlamaBlock(cfg).to(_dtype(cfg.dtype))
+    x = torch.randn(cfg.batch, cfg.seq, cfg.hidden, dtype=_dtype(cfg.dtype), requires_grad=True)
+    rope = rope_table(cfg)
+    nodes: list[Node] = []
+    saved: list = []
+    graphs = []
+    inputs: dict = {}
+    outputs: dict = {}
+    original = sch.Scheduler.codegen
+
+    def codegen(self):
+        graph = "backward" if V.graph.is_backward else "forward"
+        _record(self, graph, nodes)
+        inputs[graph] = {name: _size(box) for name, box in V.graph.graph_inputs.items() if hasattr(box, "get_size")}
+        outputs[graph] = V.graph.get_output_names()
+        if V.graph.is_backward:
+            for n in V.graph.graph.nodes:
+                if n.op == "placeholder" and not n.name.startswith("tangents"):
+                    v = n.meta.get("val")
+                    saved.append((n.name, tuple(int(d) for d in v.shape), str(v.dtype).replace("torch.", "")))
+        return original(self)
+
+    def count_graphs(gm, example_inputs):
+        graphs.append(gm)
+        from torch._inductor.compile_fx import compile_fx
+        return compile_fx(gm, example_inputs)
+
+    sch.Scheduler.codegen = codegen
+    try:  # no cache: a cached graph is not scheduled again
+        with torch._inductor.config.patch(fx_graph_cache=False, fx_graph_remote_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            compiled = torch.compile(block, backend=count_graphs, fullgraph=True)
+            compiled(x, rope).sum().backward()
+    finally:
+        sch.Scheduler.codegen = original
+    return Extraction(cfg, nodes, saved, len(graphs), _eager_saved_bytes(block, x, rope), inputs, outputs)
+
+
+def _size(box) -> int:
+    from torch._inductor.virtualized import V
+
+    size = box.get_size()
+    numel = V.graph.sizevars.optimization_hint(math.prod(size), fallback=0) if size else 1
+    return int(numel) * box.get_dtype().itemsize
+
+
+def _eager_saved_bytes(block, x, rope) -> int:
+    """Bytes eager autograd keeps for the block's backward, each storage once, the input and the
+    parameters excluded (what fsdp-sim's `saved_bytes` counts)."""
+    skip = {x.untyped_storage().data_ptr()} | {p.untyped_storage().data_ptr() for p in block.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, rope)
+    return sum(seen.values())
+
+
+def terms(nbytes_by_buffer: dict[str, int], cfg: BlockConfig) -> dict[str, int]:
+    """Buffers' bytes as counts of the block's sizes: {"T*H bf16": 2, "T f32": 1, ...} (T tokens, H
+    hidden, KV the k / v width, F the MLP's width, S*D/2 the rotary table; weights as H*H, KV*H, F*H, H;
+    "?" where a size is none of those). `BlockConfig`'s defaults keep them apart."""
+    t, h, kv, f = cfg.tokens, cfg.hidden, cfg.kv_heads * cfg.head_dim, cfg.ffn
+    names = {t * h: "T*H", t * kv: "T*KV", t * f: "T*F", t: "T", t * cfg.heads: "T*heads", h * h: "H*H",
+             kv * h: "KV*H", f * h: "F*H", h: "H", cfg.seq * cfg.head_dim // 2: "S*D/2"}
+    out: dict[str, int] = {}
+    for nbytes in nbytes_by_buffer.values():
+        for size, dtype in ((2, "bf16"), (4, "f32"), (8, "c64")):
+            if nbytes % size == 0 and nbytes // size in names:
+                key = f"{names[nbytes // size]} {dtype}"
+                break
+        else:
+            key = f"? {nbytes} B"
+        out[key] = out.get(key, 0) + 1
+    return out
