@@ -25,10 +25,15 @@ def _show(t: dict[str, int]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rope", default="complex", choices=("complex", "rotate_half"))
+    ap.add_argument("--kv-heads", type=int, default=1, help="1: grouped-query (k, v repeated); 4: multi-head")
+    ap.add_argument("--emit", action="store_true", help="print the table compiled_block.py holds, as Python")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
-    cfg = BlockConfig(rope=args.rope, batch=3)
+    cfg = BlockConfig(rope=args.rope, batch=3, kv_heads=args.kv_heads)
     e = extract(cfg)
+    if args.emit:
+        emit(e)
+        return
     print(f"torchtitan llama3 block, {args.rope} RoPE, T={cfg.tokens} H={cfg.hidden} heads={cfg.heads} "
           f"kv_heads={cfg.kv_heads} F={cfg.ffn}, {cfg.dtype}; Dynamo graphs: {e.graphs}")
     for graph in ("forward", "backward"):
@@ -49,6 +54,32 @@ def main() -> None:
         print(f"  {name:12s} {str(shape):22s} {dtype:9s} {_show(terms({name: nbytes}, cfg))}")
     print(f"\nsaved activations (the block's input and parameters excluded): {e.saved_bytes()} B; "
           f"eager autograd on the CPU (composite RMSNorm) keeps {e.eager_saved_bytes} B")
+
+
+def _symbol(nbytes: int, cfg) -> str:
+    (key,) = terms({"": nbytes}, cfg)
+    size, dtype = key.split(" ")[:2]
+    return size.replace("*", "").replace("/", "") + ("" if dtype == "bf16" else "_" + dtype)
+
+
+def emit(e) -> None:
+    """The graphs as `compiled_block.py` holds them: each kernel (graph, kind, ops, reads, writes) with
+    its buffers named by size (`TH`: tokens x hidden in the activation dtype, `TKV_f32`, ...); the
+    forward graph's inputs (`primals_*`: the block's input, its parameters, the rotary table) are read
+    but owned outside the block (by the previous block and FSDP)."""
+    rows = []
+    for n in e.nodes:
+        if n.kind == "view" and not n.writes:
+            continue
+        reads = tuple((b, _symbol(v, e.cfg)) for b, v in n.reads.items())
+        writes = tuple((b, _symbol(v, e.cfg)) for b, v in n.writes.items())
+        rows.append((n.graph, n.kind, n.name if n.kind != "generated" else "+".join(n.ops), reads, writes))
+    print("KERNELS = (")
+    for r in rows:
+        print(f"    {r!r},")
+    print(")")
+    print("SAVED = " + repr(tuple(name for name, _, _ in e.saved if not name.startswith("primals"))))
+    print("OUTPUTS = " + repr({g: tuple(o for o in outs if not o.startswith("primals")) for g, outs in e.outputs.items()}))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from fsdp_sim.workload.checkpointing import MODES as AC_MODES, ac_frequency
 from fsdp_sim.workload.loss import LOSSES, apply_loss
 from fsdp_sim.workload.lora import ADAPTATION_KEYS, adapt_workload
 from fsdp_sim.workload.profile_trace import apply_profile_trace
+from fsdp_sim.workload.compiled_block import compiled_workload
 from fsdp_sim.workload.float8 import float8_workload, parse_float8
 from fsdp_sim.workload.tensor_parallel import TensorParallel, build_tp_transformer, parse_parallelism
 from fsdp_sim.wrap import POLICIES, Unit, make_units
@@ -401,6 +402,8 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     loss = get_key("training", training, "loss", str, "torch", choices=LOSSES)
     workload = apply_loss(workload, loss, batch=micro_batch, seq=seq_len)  # workload/loss.py
     workload = adapt_workload(workload, adaptation) if adaptation else workload
+    if options.torch_compile and not adaptation:  # Inductor's kernels and saved set (workload/compiled_block.py)
+        workload = compiled_workload(workload, tp.size)
     _check_scale(workload, grad_accumulation)
     if "trace" in compute:
         trace = Path(get_key("compute", compute, "trace", str))

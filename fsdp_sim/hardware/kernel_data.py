@@ -131,12 +131,18 @@ EAGER_MEMORY = {
                    "H100/H200 curve x 0.646, MI300X vs H100 torch.sum 4.3 GB [E1] (the ratio assumed at every size)"),
     },
 }
+# What Inductor's generated kernels reach, for the kernels a compiled block runs (workload/compiled_block.py).
+# Reductions by row width: torch.compile 2.7.1 RMSNorm bf16 on H100 (3,350 GB/s): 32K x 4K ~2,300, 32K x 16K
+# ~1,800, 16K x 131K ~1,500 GB/s [C17 Quack benchmark figure, component-timing 3.1]; no figure for the backward's
+# reductions: taken alike. Pointwise: torch.compile's one rotate_half RoPE kernel on q and k, B200, (4, 2048, 32,
+# 128) bf16, 0.047 ms for q and k read and written once (268 MB) = 5.71 TB/s of 8.0 [in-situ 6, src R pytorch PR
+# #176223; calc]. Measured on 2.7.1 and a 2026 nightly: the same figures for every release (hardware/software.py)
+INDUCTOR_REDUCTION = ((4096, 0.69), (16384, 0.537), (131072, 0.448))
+INDUCTOR_POINTWISE = ((1, 4 * 2048 * 32 * 128 * 2 * 4 / 0.047e-3 / 8.0e12),)
 # What a fused kernel reaches (torch.compile where measured, else the fused Triton kernel of the same op)
 FUSED_MEMORY = {
-    # torch.compile 2.7.1 RMSNorm bf16 on H100 (3,350 GB/s): 32K x 4K ~2,300, 32K x 16K ~1,800, 16K x 131K
-    # ~1,500 GB/s [C17 Quack benchmark figure, component-timing 3.1]
-    "norm": ((4096, 0.69), (16384, 0.537), (131072, 0.448)),
-    "norm_unfused": ((4096, 0.69), (16384, 0.537), (131072, 0.448)),
+    "norm": INDUCTOR_REDUCTION,
+    "norm_unfused": INDUCTOR_REDUCTION,
     # Liger fused RoPE, A100: 0.060 ms for the same ~84 MB = 1.4 TB/s, 69 % [C5; calc] (Inductor assumed alike)
     "rope": ((8192, 0.69),),
     # Liger fused SwiGLU fwd, H100, 8192 tokens: ffn 4096 2.78 TB/s (83 %), ffn 32768 3.05 TB/s (91 %) [C5]
@@ -145,7 +151,14 @@ FUSED_MEMORY = {
     # torch.compile 2.7.1 cross-entropy fp32 32K x 32K ~3,150 GB/s of 3,350 [C17]; taken for bf16 logits
     # too, where it measured ~1,700 (32K) and ~1,230 (131K) GB/s (component-timing 3.1): not told apart
     "cross_entropy": ((32768, 0.94),),
+    "inductor_reduction": INDUCTOR_REDUCTION,
+    "inductor_pointwise": INDUCTOR_POINTWISE,
 }  # a plain copy (`elementwise`) stays the eager kernel under torch.compile
+# a compiled block's kernels are Inductor's whether or not the options say compile (a saved workload)
+EAGER_MEMORY |= {
+    "inductor_reduction": {"sm90": (INDUCTOR_REDUCTION, "torch.compile 2.7.1 RMSNorm bf16 on H100 [C17]")},
+    "inductor_pointwise": {"sm100": (INDUCTOR_POINTWISE, "one compiled rotate_half RoPE kernel on B200 [R]")},
+}
 
 # ---- host (CPU) cost per kernel launch ------------------------------------------------------------------
 EAGER_FORWARD_LAUNCH_S = 8e-6  # eager `add` on A100, submit only: 8 us per op (Python + dispatcher + launch) [C22 FlagGems PR]

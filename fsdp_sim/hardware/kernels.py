@@ -12,7 +12,9 @@ are in `kernel_data.py`.
   benchmarks count them). A GPU without a table of its own takes the fraction of peak of the nearest one.
 - Memory-bound kinds: ideal bytes at the measured fraction of HBM peak of eager kernels on the GPU's
   generation (H100's where that generation was not measured, the gap named: `eager_memory`), or of fused
-  ones under `torch_compile` (which also makes every memory-bound chain one launch).
+  ones under `torch_compile` (which also makes every memory-bound chain one launch). A compiled block's
+  kernels are Inductor's own (`inductor_reduction` / `inductor_pointwise`, workload/compiled_block.py),
+  at the bandwidth Inductor's generated kernels reach.
 - Host: every launch costs the CPU issue thread its eager (or Inductor) launch cost.
 """
 

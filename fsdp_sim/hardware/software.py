@@ -7,8 +7,11 @@ fused CUDA kernel only once `aten::_fused_rms_norm` landed. Each of those is rea
 so that a scenario written for a December 2024 torchtitan run (torch 2.6) prices what that run ran.
 `model.norm_impl` and `compute.sdpa_backend` stay as overrides.
 
-Not decided by the version here: Inductor's fusion under `torch_compile` is priced alike for every
-release (kernel_data.FUSED_MEMORY, measured on torch 2.7.1).
+Not decided by the version here: Inductor's fusion under `torch_compile` is torch 2.13's for every
+release (workload/compiled_block.py, read from the 2.13 wheel's Inductor; the fusion groups of a
+Llama block -- norm with residual add, SiLU x mul, the GQA repeat, complex RoPE left eager -- are
+older than the releases the tool covers, and no per-release fusion listing was read), priced at
+kernel_data's Inductor bandwidths, measured on torch 2.7.1 and a 2026 nightly.
 """
 
 from __future__ import annotations

@@ -192,18 +192,18 @@ class Extraction:
                 for w in n.writes:
                     alias[w] = _root(alias, next(iter(n.reads), w))
         keep = {_root(alias, o) for o in self.outputs.get(graph, [])}
-        free_inputs = graph == "backward"
-        live = dict(self.inputs.get(graph, {})) if free_inputs else {}
+        free_inputs = graph == "backward"  # the forward's inputs (primals) are owned outside: never counted
+        live = {k: v for k, v in self.inputs.get(graph, {}).items() if not k.startswith("primals")} if free_inputs else {}
         start = level = peak = sum(live.values())
         for i, n in enumerate(nodes):
             if n.kind != "view":
                 for w, b in n.writes.items():
-                    if w not in live:
+                    if w not in live and not w.startswith("primals"):
                         live[w] = b
                         level += b
             peak = max(peak, level)
             for name, at in list(last.items()):
-                if at == i and name in live and name not in keep:
+                if at == i and name in live and name not in keep and not name.startswith("primals"):
                     level -= live.pop(name)
         return peak - start, level - start
 

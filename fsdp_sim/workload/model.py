@@ -65,7 +65,7 @@ class Param:
 
 
 KERNEL_KINDS = ("gemm", "attention", "attention_eager", "norm", "norm_unfused", "rope", "activation",
-                "elementwise", "cross_entropy")
+                "elementwise", "cross_entropy", "inductor_reduction", "inductor_pointwise")
 ATEN_OPS = ("", "mm", "addmm", "sdpa")  # `Kernel.aten_op`: what a selective-checkpoint policy keys on
 
 
