@@ -79,7 +79,9 @@ def test_torch_compile_shortens_a_launch_bound_step():
     base = {"model": TINY, "training": {"seq_len": 128}, "hardware": {"profile": "h100-sxm", "gpus_per_node": 1}}
     eager = simulate(parse_scenario(base)).step_time_s
     compiled = simulate(parse_scenario(base | {"compute": {"torch_compile": True}})).step_time_s
-    assert compiled < 0.8 * eager  # fewer launches: one per memory-bound chain
+    # fewer launches: Inductor's kernels (workload/compiled_block.py: 18 forward, 27 backward in an MHA
+    # block, against eager's 24 and 35), each at Inductor's launch cost
+    assert compiled < 0.9 * eager
 
 
 def test_overlapped_compute_and_collectives_both_slow():

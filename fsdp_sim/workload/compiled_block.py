@@ -32,11 +32,11 @@ from fsdp_sim.workload.transformer import BLOCK_RECIPE, TransformerDims
 REDUCTION_OPS = ("mean", "sum")  # a generated kernel with these reduces rows (priced by its row width)
 
 
-def _sizes(d: TransformerDims, tok: int, p: int) -> dict[str, int]:
+def _sizes(d: TransformerDims, tok: int, s: int, p: int) -> dict[str, int]:
     h, kv, f = d.hidden, d.kv * d.head_dim, d.ffn
     return {"TH": tok * h * p, "TKV": tok * kv * p, "TF": tok * f * p, "T_f32": tok * 4, "Theads_f32": tok * d.heads * 4,
             "TH_f32": tok * h * 4, "TKV_f32": tok * kv * 4, "H": h * p, "HH": h * h * p, "KVH": kv * h * p, "FH": f * h * p,
-            "SD2_c64": 0}  # the rotary table: the model's, tiny, viewed (`_conj`) not copied by the block
+            "SD2_c64": s * d.head_dim // 2 * 8}  # the complex rotary table (the model's; the backward clones it)
 
 
 def _table(d: TransformerDims):
@@ -56,7 +56,7 @@ def compiled_kernels(d: TransformerDims, b: int, s: int, p: int, *, causal: bool
     leaves (`elementwise`: the complex RoPE multiply, the rotary table's clone), forward ones with
     forward bytes, backward ones with backward bytes. The forward's last kernel (the closing residual
     add) comes after the last saved tensor: a checkpoint's recompute stops before it."""
-    sizes = _sizes(d, b * s, p)
+    sizes = _sizes(d, b * s, s, p)
     kernels, _, _ = _table(d)
     out = [k for k in block_kernels(d, b, s, p, causal=causal) if k.kind in ("gemm", "attention")]
     last_forward = max(i for i, row in enumerate(kernels) if row[0] == "forward" and row[1] == "generated")
@@ -113,13 +113,14 @@ def _walk(rows, graph: str, sizes: dict[str, int], start: dict[str, int], keep: 
 
 def compiled_activations(d: TransformerDims, b: int, s: int, p: int) -> tuple[int, int, int]:
     """(saved, forward transient, backward transient) bytes of the compiled block: the partitioner's
-    saved set less what aliases the forward's inputs; the forward's peak above its end state (its
+    saved set less the view of the model's rotary table; the forward's peak above its end state (its
     output and saved set); the backward's peak above its start (saved set and output gradient), with
     its weight gradients and its input's gradient counted as Inductor allocates them."""
-    sizes = _sizes(d, b * s, p)
+    sizes = _sizes(d, b * s, s, p)
     kernels, saved, outputs = _table(d)
     size_of = {name: size for row in kernels for name, size in row[3] + row[4]}
-    saved_bytes = sum(sizes[size_of[name]] for name in saved)
+    # `_conj` (the rotary table's conjugate) is a view of the model's table: not the block's bytes
+    saved_bytes = sum(sizes[size_of[name]] for name in saved if size_of[name] != "SD2_c64")
     peak, end = _walk(kernels, "forward", sizes, {}, set(outputs["forward"]))
     start = {name: sizes[size_of[name]] for name in saved} | {"tangents_1": sizes["TH"]}
     bwd_peak, _ = _walk(kernels, "backward", sizes, start, set(outputs["backward"]))
