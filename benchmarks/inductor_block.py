@@ -53,6 +53,7 @@ def main() -> None:
         nbytes = math.prod(shape) * {"bfloat16": 2, "float32": 4, "complex64": 8}[dtype]
         print(f"  {name:12s} {str(shape):22s} {dtype:9s} {_show(terms({name: nbytes}, cfg))}")
     print(f"\nsaved activations (the block's input and parameters excluded): {e.saved_bytes()} B; "
+          f"autograd's saved-tensor hooks see the compiled block keep {e.compiled_saved_bytes} B; "
           f"eager autograd on the CPU (composite RMSNorm) keeps {e.eager_saved_bytes} B")
 
 

@@ -158,6 +158,7 @@ class Extraction:
     saved: list[tuple[str, tuple[int, ...], str]]  # the backward graph's inputs (name, shape, dtype) but tangents
     graphs: int  # Dynamo graphs (1: no graph break)
     eager_saved_bytes: int = 0  # what eager autograd keeps for the same block (saved_tensors_hooks)
+    compiled_saved_bytes: int = 0  # what the compiled block's autograd Function keeps, seen the same way
     inputs: dict[str, dict[str, int]] = field(default_factory=dict)  # graph -> its inputs' bytes
     outputs: dict[str, list[str]] = field(default_factory=dict)  # graph -> its output buffers
 
@@ -331,9 +332,10 @@ def extract(cfg: BlockConfig = BlockConfig()) -> Extraction:
                 torch._functorch.config.patch(enable_autograd_cache=False):
             compiled = torch.compile(block, backend=count_graphs, fullgraph=True)
             compiled(x, rope).sum().backward()
+            compiled_saved = _eager_saved_bytes(compiled, x, rope)
     finally:
         sch.Scheduler.codegen = original
-    return Extraction(cfg, nodes, saved, len(graphs), _eager_saved_bytes(block, x, rope), inputs, outputs)
+    return Extraction(cfg, nodes, saved, len(graphs), _eager_saved_bytes(block, x, rope), compiled_saved, inputs, outputs)
 
 
 def _size(box) -> int:
@@ -345,8 +347,9 @@ def _size(box) -> int:
 
 
 def _eager_saved_bytes(block, x, rope) -> int:
-    """Bytes eager autograd keeps for the block's backward, each storage once, the input and the
-    parameters excluded (what fsdp-sim's `saved_bytes` counts)."""
+    """Bytes autograd keeps for the block's backward, each storage once, the input and the parameters
+    excluded (what fsdp-sim's `saved_bytes` counts), seen by `saved_tensors_hooks`: eager autograd's
+    saves, or for a compiled block what AOTAutograd's Function saves (its `save_for_backward`)."""
     skip = {x.untyped_storage().data_ptr()} | {p.untyped_storage().data_ptr() for p in block.parameters()}
     seen: dict[int, int] = {}
 

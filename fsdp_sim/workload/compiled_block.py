@@ -77,8 +77,9 @@ def compiled_kernels(d: TransformerDims, b: int, s: int, p: int, *, causal: bool
     return tuple(out)
 
 
-def _walk(rows, graph: str, sizes: dict[str, int], start: dict[str, int], keep: set[str]) -> tuple[int, int]:
-    """(peak, end) of the live bytes above `start`'s total over `graph`'s kernels in order: each
+def _walk(rows, graph: str, sizes: dict[str, int], start: dict[str, int], keep: set[str]) -> tuple[int, int, int]:
+    """(peak, end, tensors) of the live bytes above `start`'s total over `graph`'s kernels in order
+    (`tensors`: how many the graph had made and still held at its peak): each
     output allocated when its kernel runs, each buffer freed after its last reader unless kept; a view
     aliases what it reads; the forward graph's inputs (`primals_*`) are never counted."""
     rows = [r for r in rows if r[0] == graph]
@@ -98,21 +99,25 @@ def _walk(rows, graph: str, sizes: dict[str, int], start: dict[str, int], keep: 
                 alias[name] = root(reads[0][0]) if reads else name
     live = dict(start)
     level = peak = begin = sum(start.values())
+    tensors = 0
     for i, (_, kind, _, _, writes) in enumerate(rows):
         if kind != "view":
             for name, size in writes:
                 if name not in live:
                     live[name] = sizes[size]
                     level += sizes[size]
-        peak = max(peak, level)
+        if level > peak:
+            peak, tensors = level, sum(1 for name in live if name not in start)
         for name in [n for n, at in last.items() if at == i]:
             if name in live and name not in keep and not name.startswith("primals"):
                 level -= live.pop(name)
-    return peak - begin, level - begin
+    return peak - begin, level - begin, tensors
 
 
-def compiled_activations(d: TransformerDims, b: int, s: int, p: int) -> tuple[int, int, int]:
-    """(saved, forward transient, backward transient) bytes of the compiled block: the partitioner's
+def compiled_activations(d: TransformerDims, b: int, s: int, p: int) -> tuple[int, int, int, int]:
+    """(saved, forward transient, backward transient, tensors at the backward's peak) bytes of the
+    compiled block (the backward's peak is several tensors, which the caching allocator places one
+    by one: `Module.bwd_temp_parts`): the partitioner's
     saved set less the view of the model's rotary table; the forward's peak above its end state (its
     output and saved set); the backward's peak above its start (saved set and output gradient), with
     its weight gradients and its input's gradient counted as Inductor allocates them."""
@@ -121,16 +126,20 @@ def compiled_activations(d: TransformerDims, b: int, s: int, p: int) -> tuple[in
     size_of = {name: size for row in kernels for name, size in row[3] + row[4]}
     # `_conj` (the rotary table's conjugate) is a view of the model's table: not the block's bytes
     saved_bytes = sum(sizes[size_of[name]] for name in saved if size_of[name] != "SD2_c64")
-    peak, end = _walk(kernels, "forward", sizes, {}, set(outputs["forward"]))
+    peak, end, _ = _walk(kernels, "forward", sizes, {}, set(outputs["forward"]))
     start = {name: sizes[size_of[name]] for name in saved} | {"tangents_1": sizes["TH"]}
-    bwd_peak, _ = _walk(kernels, "backward", sizes, start, set(outputs["backward"]))
-    return saved_bytes, peak - end, bwd_peak
+    bwd_peak, _, tensors = _walk(kernels, "backward", sizes, start, set(outputs["backward"]))
+    return saved_bytes, peak - end, bwd_peak, max(tensors, 1)
 
 
-def compiled_workload(wl: Workload, tp: int = 1) -> Workload:
+def compiled_workload(wl: Workload, tp: int = 1, *, checkpointed: bool = False) -> Workload:
     """`wl` with its dense transformer blocks as Inductor compiles them (kernels, saved bytes, transients);
     anything else (the embedding, final norm, head and loss, which torchtitan leaves eager or compiles
-    apart, and blocks the table does not describe) as it was."""
+    apart, and blocks the table does not describe) as it was. `checkpointed` (activation checkpointing
+    on): the kernels only. Under a checkpoint the partitioner saves what the checkpoint's policy tags
+    (the block's input; a selective policy's MUST_SAVE outputs) and recomputes inside the compiled
+    backward, which the table, read from a block without one, does not show: the eager block's bytes
+    and the checkpoint plans (checkpointing.py) stay."""
     recipe = wl.meta.get(BLOCK_RECIPE)
     if recipe is None:
         return wl
@@ -140,10 +149,12 @@ def compiled_workload(wl: Workload, tp: int = 1) -> Workload:
     b, s, p = recipe["micro_batch"], recipe["seq_len"], recipe["bytes"]
     eager = block_kernels(d, b, s, p, causal=True)
     kernels = compiled_kernels(d, b, s, p, causal=True)
-    saved, fwd_temp, bwd_temp = compiled_activations(d, b, s, p)
+    saved, fwd_temp, bwd_temp, parts = compiled_activations(d, b, s, p)
     modules: list[Module] = []
     for m in wl.modules:
         if m.is_block and m.kernels == eager:
-            m = replace(m, kernels=kernels, saved_bytes=saved, fwd_temp_bytes=fwd_temp, bwd_temp_bytes=bwd_temp)
+            m = replace(m, kernels=kernels) if checkpointed else \
+                replace(m, kernels=kernels, saved_bytes=saved, fwd_temp_bytes=fwd_temp, bwd_temp_bytes=bwd_temp,
+                        bwd_temp_parts=parts)
         modules.append(m)
     return replace(wl, modules=tuple(modules), meta=wl.meta | {"torch_compile": True})
