@@ -30,6 +30,14 @@ from fsdp_sim.workload.model import Kernel, Module, Workload
 from fsdp_sim.workload.transformer import BLOCK_RECIPE, TransformerDims
 
 REDUCTION_OPS = ("mean", "sum")  # a generated kernel with these reduces rows (priced by its row width)
+# Mix-order reduction (pytorch/pytorch PR #165370, merged 2025-10-13, after 2.9's branch cut: torch 2.10 on;
+# per norm since PR #168209): on a GPU Triton backend each norm's weight gradient (a reduction over the
+# tokens) is fused into its input gradient's kernel (a reduction over hidden), which reads the same
+# tensors. `MixOrderReduction.can_fuse` (torch/_inductor/scheduler.py, 2.13 wheel) takes it when
+# tokens x hidden >= 5 x 2^20 elements and tokens >= 2 x hidden; the CPU backend never does, so the
+# table shows the weight gradients as a kernel of their own
+MIX_ORDER_FROM = (2, 10)
+MIX_ORDER_MIN_NUMEL = 5 * 2**20
 
 
 def _sizes(d: TransformerDims, tok: int, s: int, p: int) -> dict[str, int]:
@@ -50,18 +58,30 @@ def applies(d: TransformerDims, tp: int = 1) -> bool:
             and not d.learned_pos and d.q_dim == d.hidden and tp == 1)
 
 
-def compiled_kernels(d: TransformerDims, b: int, s: int, p: int, *, causal: bool) -> tuple[Kernel, ...]:
+def mix_order_fusion(d: TransformerDims, tokens: int, torch_version: tuple[int, ...]) -> bool:
+    """Whether Inductor on CUDA fuses each norm's weight gradient into its input gradient's kernel."""
+    return tuple(torch_version[:2]) >= MIX_ORDER_FROM and tokens * d.hidden >= MIX_ORDER_MIN_NUMEL \
+        and tokens >= 2 * d.hidden
+
+
+def compiled_kernels(d: TransformerDims, b: int, s: int, p: int, *, causal: bool,
+                     torch_version: tuple[int, ...] = (2, 13)) -> tuple[Kernel, ...]:
     """The block's kernels under torch.compile: the eager block's GEMMs and attention, then each kernel
     Inductor generates (`inductor_reduction` / `inductor_pointwise`) and each eager ATen kernel it
     leaves (`elementwise`: the complex RoPE multiply, the rotary table's clone), forward ones with
     forward bytes, backward ones with backward bytes. The forward's last kernel (the closing residual
-    add) comes after the last saved tensor: a checkpoint's recompute stops before it."""
+    add) comes after the last saved tensor: a checkpoint's recompute stops before it. Where mix-order
+    reduction fuses the norms' weight gradients into their input gradients' kernels (`mix_order_fusion`),
+    their kernel of their own is gone: its reads are those kernels' reads, its writes a hidden-sized row."""
     sizes = _sizes(d, b * s, s, p)
+    mix_order = mix_order_fusion(d, b * s, torch_version)
     kernels, _, _ = _table(d)
     out = [k for k in block_kernels(d, b, s, p, causal=causal) if k.kind in ("gemm", "attention")]
     last_forward = max(i for i, row in enumerate(kernels) if row[0] == "forward" and row[1] == "generated")
     for i, (graph, kind, ops, reads, writes) in enumerate(kernels):
         if kind == "view" or ops.startswith(("aten.mm", "aten._scaled_dot_product")):
+            continue
+        if mix_order and graph == "backward" and all(size == "H" for _, size in writes):
             continue
         nbytes = sum(sizes[size] for _, size in reads + writes)
         if kind == "generated":
@@ -132,7 +152,8 @@ def compiled_activations(d: TransformerDims, b: int, s: int, p: int) -> tuple[in
     return saved_bytes, peak - end, bwd_peak, max(tensors, 1)
 
 
-def compiled_workload(wl: Workload, tp: int = 1, *, checkpointed: bool = False) -> Workload:
+def compiled_workload(wl: Workload, tp: int = 1, *, checkpointed: bool = False,
+                      torch_version: tuple[int, ...] = (2, 13)) -> Workload:
     """`wl` with its dense transformer blocks as Inductor compiles them (kernels, saved bytes, transients);
     anything else (the embedding, final norm, head and loss, which torchtitan leaves eager or compiles
     apart, and blocks the table does not describe) as it was. `checkpointed` (activation checkpointing
@@ -148,7 +169,7 @@ def compiled_workload(wl: Workload, tp: int = 1, *, checkpointed: bool = False) 
         return wl
     b, s, p = recipe["micro_batch"], recipe["seq_len"], recipe["bytes"]
     eager = block_kernels(d, b, s, p, causal=True)
-    kernels = compiled_kernels(d, b, s, p, causal=True)
+    kernels = compiled_kernels(d, b, s, p, causal=True, torch_version=torch_version)
     saved, fwd_temp, bwd_temp, parts = compiled_activations(d, b, s, p)
     modules: list[Module] = []
     for m in wl.modules:
