@@ -106,6 +106,13 @@ def memory_bound() -> None:
     row("RMSNorm torch.compile 32Kx4K on h100", "GB/s", 2300,
         lambda b: memory_efficiency("norm", (32768, 4096), 0, True, "sm90") * profile("h100-sxm", b).memory_Bps / 1e9,
         "Quack figure [C17]")
+    # a compiled block's generated kernels (workload/compiled_block.py): Inductor's reductions and pointwise
+    row("Inductor reduction (RMSNorm) 32Kx16K on h100", "GB/s", 1800,
+        lambda b: memory_efficiency("inductor_reduction", (32768, 16384), 0, fused=True)
+        * profile("h100-sxm", b).memory_Bps / 1e9, "torch.compile 2.7.1, Quack figure [C17]")
+    row("Inductor pointwise (RoPE q+k, 268 MB) on b200", "TB/s", 5.71,
+        lambda b: memory_efficiency("inductor_pointwise", (), 268e6, fused=True) * profile("b200", b).memory_Bps / 1e12,
+        "one compiled rotate_half kernel, 0.047 ms, pytorch PR #176223 (in-situ.md 6)")
 
 
 # the size at which each kind's eager fraction is shown per profile: a Llama-3-8B-like row width, 126 MB moved
