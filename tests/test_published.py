@@ -20,7 +20,7 @@ tables the memory it logged, `max_memory_reserved`). What a row establishes, and
   can never pass reserved). The allocator model's own reserved figure is above the logged one on both
   rows (85.3 GiB against 82.4 on 8 GPUs, with the expandable segments torchtitan's launcher sets; 77.3
   against 67.0 on 128, PyTorch's default allocator as that run's launcher is not published; torch.compile's
-  saving, 5 GiB in the logs, is not modelled): it sees a
+  saving, 5 GiB in the logs, is modelled only without checkpointing, and these rows checkpoint): it sees a
   module's saved activations and temporaries as one block each where PyTorch allocates ~15 tensors, so
   it overstates fragmentation; not gated, a known limit;
 - throughput, as a band that is not fitted to anything: the tool prices a steady-state step with no data

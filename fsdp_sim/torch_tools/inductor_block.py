@@ -20,9 +20,13 @@ nodes reading the same inputs, reductions with their pointwise prologue and epil
 where a backend says `can_fuse` differently: the CPU backend can fuse a reduction with a following
 reduction over the same outer loop ("outer loop fusion"), which Triton does in one persistent or
 looped reduction kernel too, and CUDA has templates (matmul epilogues under `max-autotune`, flex
-attention) the CPU default mode does not use. Library calls are the same on both: `mm` is an extern
-kernel (cuBLAS on CUDA without `max-autotune`), SDPA a fallback (`_scaled_dot_product_flash_attention`
-on CUDA, `..._for_cpu` here).
+attention) the CPU default mode does not use, and from torch 2.10 mix-order reduction
+(`MixOrderReduction.can_fuse` in scheduler.py: GPU Triton backends only), which folds a norm's
+weight-gradient reduction into its input-gradient kernel; workload/compiled_block.py applies it where
+Inductor's size rule takes it. Library calls are the same on both: `mm` is an extern kernel (cuBLAS on
+CUDA without `max-autotune`), SDPA a fallback (`_scaled_dot_product_flash_attention` on CUDA,
+`..._for_cpu` here). The saved set does not depend on the device: the min-cut partitioner
+(torch/_functorch/partitioners.py) reads no device but for RNG state.
 """
 
 from __future__ import annotations
