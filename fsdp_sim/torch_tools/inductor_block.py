@@ -57,6 +57,7 @@ class BlockConfig:
     seq: int = 40
     dtype: str = "bf16"
     rope: str = "complex"  # torchtitan's complex multiply; "rotate_half" is Hugging Face's form
+    checkpoint: bool = False  # torchtitan's full activation checkpointing (non-reentrant, no RNG state kept)
     norm_eps: float = 1e-5
 
     @property
@@ -121,6 +122,12 @@ class LlamaBlock(nn.Module):
     def forward(self, x, rope):
         """`rope`: the model's precomputed rotary table, an input of each block as in torchtitan
         (`freqs_cis`, complex64), or (cos, sin) in the activation dtype for the rotate_half form."""
+        if self.cfg.checkpoint:  # torchtitan's apply_ac: checkpoint_wrapper(preserve_rng_state=False)
+            from torch.utils.checkpoint import checkpoint
+            return checkpoint(self._block, x, rope, use_reentrant=False, preserve_rng_state=False)
+        return self._block(x, rope)
+
+    def _block(self, x, rope):
         h = x + self.attention(self.attention_norm(x), rope)
         n = self.ffn_norm(h)
         return h + self.w2(F.silu(self.w1(n)) * self.w3(n))

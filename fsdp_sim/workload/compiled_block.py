@@ -160,7 +160,9 @@ def compiled_workload(wl: Workload, tp: int = 1, *, checkpointed: bool = False,
     on): the kernels only. Under a checkpoint the partitioner saves what the checkpoint's policy tags
     (the block's input; a selective policy's MUST_SAVE outputs) and recomputes inside the compiled
     backward, which the table, read from a block without one, does not show: the eager block's bytes
-    and the checkpoint plans (checkpointing.py) stay."""
+    and the checkpoint plans (checkpointing.py) stay. With torchtitan's full checkpoint the compiled
+    backward's peak is the eager block's saved bytes and backward transient within 2 %, the table's
+    10 % short (tests/test_compiled_block.py, compiled on torch 2.13); a selective policy's was not read."""
     recipe = wl.meta.get(BLOCK_RECIPE)
     if recipe is None:
         return wl
