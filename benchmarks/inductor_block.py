@@ -15,7 +15,7 @@ import argparse
 import math
 import warnings
 
-from fsdp_sim.torch_tools.inductor_block import BlockConfig, extract, terms
+from fsdp_sim.torch_tools.inductor_block import BlockConfig, extract, graphs_under_fully_shard, terms
 
 
 def _show(t: dict[str, int]) -> str:
@@ -55,6 +55,8 @@ def main() -> None:
     print(f"\nsaved activations (the block's input and parameters excluded): {e.saved_bytes()} B; "
           f"autograd's saved-tensor hooks see the compiled block keep {e.compiled_saved_bytes} B; "
           f"eager autograd on the CPU (composite RMSNorm) keeps {e.eager_saved_bytes} B")
+    print(f"fully_shard on the compiled block (torchtitan's order), two steps: "
+          f"{graphs_under_fully_shard(cfg)} Dynamo graph(s)")
 
 
 def _symbol(nbytes: int, cfg) -> str:

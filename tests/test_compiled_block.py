@@ -4,8 +4,9 @@ The referee cases compile a torchtitan Llama-3 block with the installed torch (C
 table to Inductor's own output (the saved set, the transients, each kernel's bytes) and to autograd's
 saved-tensor hooks around the compiled block (what AOTAutograd's Function saves). PyTorch's MemTracker
 cannot run one: under its dispatch mode Dynamo skips the frame, and `fullgraph=True` then fails
-("torch.compile with fullgraph=True found no compiled frames", torch 2.13); Inductor's own buffers are
-allocated outside the dispatcher anyway.
+("torch.compile with fullgraph=True found no compiled frames", torch 2.13); FSDPMemTracker on a
+compiled, fully_shard'ed block stops on an AssertionError; Inductor's own buffers are allocated outside
+the dispatcher anyway.
 """
 
 from __future__ import annotations
@@ -71,6 +72,14 @@ def test_under_full_checkpointing_the_compiled_backward_recomputes_what_eager_by
     assert eager.saved + eager.bwd_temp == pytest.approx(peak, rel=0.02)
     saved, _, bwd, _ = compiled_activations(d, cfg.batch, cfg.seq, 2)
     assert saved + bwd < 0.92 * peak
+
+
+def test_fully_shard_on_the_compiled_block_adds_no_graph():
+    """torchtitan's order, compile then `fully_shard`: FSDP2's hooks run outside the compiled block, so
+    two steps make one Dynamo graph (no break at the hooks, no recompile once parameters are unsharded)."""
+    pytest.importorskip("torch")
+    from fsdp_sim.torch_tools.inductor_block import BlockConfig, graphs_under_fully_shard
+    assert graphs_under_fully_shard(BlockConfig(batch=3)) == 1
 
 
 dims = st.builds(lambda h, heads, rep, f: TransformerDims(hidden=64 * heads * h, layers=1, heads=heads,

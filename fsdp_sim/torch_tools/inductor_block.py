@@ -392,3 +392,38 @@ def terms(nbytes_by_buffer: dict[str, int], cfg: BlockConfig) -> dict[str, int]:
             key = f"? {nbytes} B"
         out[key] = out.get(key, 0) + 1
     return out
+
+
+def graphs_under_fully_shard(cfg: BlockConfig = BlockConfig(), steps: int = 2) -> int:
+    """Dynamo graphs made over `steps` forward and backward passes of a block compiled as torchtitan
+    does it (`torch.compile(block, fullgraph=True)`, then `fully_shard` on the compiled module, bf16
+    parameters), on a two-rank fake process group: 1 when FSDP2's hooks stay outside the compiled
+    region (no graph break) and unsharding does not recompile it."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if dist.get_backend() != "fake":
+            raise RuntimeError("a non-fake default process group is initialised; run this in its own process")
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    graphs = []
+
+    def backend(gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    try:
+        import torch._dynamo
+        torch._dynamo.reset()
+        block = torch.compile(LlamaBlock(cfg), backend=backend, fullgraph=True)
+        fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=_dtype(cfg.dtype)))
+        x = torch.randn(cfg.batch, cfg.seq, cfg.hidden, dtype=_dtype(cfg.dtype), requires_grad=True)
+        rope = rope_table(cfg)
+        for _ in range(steps):
+            block(x, rope).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    return len(graphs)
