@@ -26,6 +26,7 @@ from fsdp_sim.workload.transformer import TransformerDims, block_activations
 MEMORY_KINDS = ("inductor_reduction", "inductor_pointwise", "elementwise")
 
 
+@pytest.mark.slow  # Inductor compiles a block (C++ on the CPU): about 20 s
 @pytest.mark.parametrize("kv_heads", [1, 4])
 def test_the_table_is_what_inductor_compiles(kv_heads):
     """Saved set, forward transient and backward peak, and every memory-bound kernel's bytes, against a
@@ -54,6 +55,7 @@ def test_the_table_is_what_inductor_compiles(kv_heads):
         assert (k.bytes > 0) == (n.graph == "forward")
 
 
+@pytest.mark.slow
 def test_under_full_checkpointing_the_compiled_backward_recomputes_what_eager_bytes_say():
     """torchtitan's full checkpoint inside the compiled block: the partitioner saves nothing but the
     block's input (and the RNG state), and the compiled backward's peak (its recompute and the gradients, fused) is what
@@ -74,6 +76,7 @@ def test_under_full_checkpointing_the_compiled_backward_recomputes_what_eager_by
     assert saved + bwd < 0.92 * peak
 
 
+@pytest.mark.slow
 def test_fully_shard_on_the_compiled_block_adds_no_graph():
     """torchtitan's order, compile then `fully_shard`: FSDP2's hooks run outside the compiled block, so
     two steps make one Dynamo graph (no break at the hooks, no recompile once parameters are unsharded)."""
