@@ -108,10 +108,10 @@ def memory_bound() -> None:
         "Quack figure [C17]")
     # a compiled block's generated kernels (workload/compiled_block.py): Inductor's reductions and pointwise
     row("Inductor reduction (RMSNorm) 32Kx16K on h100", "GB/s", 1800,
-        lambda b: memory_efficiency("inductor_reduction", (32768, 16384), 0, fused=True)
+        lambda b: memory_efficiency("inductor_reduction", (32768, 16384), 0, True, "sm90")
         * profile("h100-sxm", b).memory_Bps / 1e9, "torch.compile 2.7.1, Quack figure [C17]")
     row("Inductor pointwise (RoPE q+k, 268 MB) on b200", "TB/s", 5.71,
-        lambda b: memory_efficiency("inductor_pointwise", (), 268e6, fused=True) * profile("b200", b).memory_Bps / 1e12,
+        lambda b: memory_efficiency("inductor_pointwise", (), 268e6, True, "sm100") * profile("b200", b).memory_Bps / 1e12,
         "one compiled rotate_half kernel, 0.047 ms, pytorch PR #176223 (in-situ.md 6)")
 
 
