@@ -194,30 +194,16 @@ class Extraction:
         order: each kernel's outputs allocated when it runs, a buffer freed after its last reader unless
         the graph returns it, an input of the backward (a saved tensor) freed after its last reader too
         (the compiled backward takes them boxed and drops each once dead)."""
-        nodes = [n for n in self.nodes if n.graph == graph]
-        alias: dict[str, str] = {}
-        last: dict[str, int] = {}
-        for i, n in enumerate(nodes):
-            for r in n.reads:
-                last[_root(alias, r)] = i
-            if n.kind == "view":
-                for w in n.writes:
-                    alias[w] = _root(alias, next(iter(n.reads), w))
-        keep = {_root(alias, o) for o in self.outputs.get(graph, [])}
-        free_inputs = graph == "backward"  # the forward's inputs (primals) are owned outside: never counted
-        live = {k: v for k, v in self.inputs.get(graph, {}).items() if not k.startswith("primals")} if free_inputs else {}
-        start = level = peak = sum(live.values())
-        for i, n in enumerate(nodes):
-            if n.kind != "view":
-                for w, b in n.writes.items():
-                    if w not in live and not w.startswith("primals"):
-                        live[w] = b
-                        level += b
-            peak = max(peak, level)
-            for name, at in list(last.items()):
-                if at == i and name in live and name not in keep and not name.startswith("primals"):
-                    level -= live.pop(name)
-        return peak - start, level - start
+        from fsdp_sim.workload.compiled_block import walk_schedule
+
+        rows = [(n.graph, n.kind, n.name, tuple((b, b) for b in n.reads), tuple((b, b) for b in n.writes))
+                for n in self.nodes if n.graph == graph]
+        sizes = {b: v for n in self.nodes if n.graph == graph for b, v in {**n.reads, **n.writes}.items()}
+        # the backward starts with its inputs (saved tensors, the output's gradient) and drops them as it goes
+        start = {k: v for k, v in self.inputs.get(graph, {}).items() if not k.startswith("primals")} \
+            if graph == "backward" else {}
+        peak, end, _ = walk_schedule(rows, graph, sizes | start, start, set(self.outputs.get(graph, [])))
+        return peak, end
 
 
 VIEW_OPS = ("view_as_complex", "view_as_real", "reshape", "_conj", "view", "permute", "expand", "squeeze",
@@ -226,12 +212,6 @@ VIEW_OPS = ("view_as_complex", "view_as_real", "reshape", "_conj", "view", "perm
 
 def _dtype_size(name: str) -> int:
     return getattr(torch, name).itemsize
-
-
-def _root(alias: dict[str, str], name: str) -> str:
-    while name in alias:
-        name = alias[name]
-    return name
 
 
 def _origins(node) -> tuple[str, ...]:

@@ -97,11 +97,13 @@ def compiled_kernels(d: TransformerDims, b: int, s: int, p: int, *, causal: bool
     return tuple(out)
 
 
-def _walk(rows, graph: str, sizes: dict[str, int], start: dict[str, int], keep: set[str]) -> tuple[int, int, int]:
+def walk_schedule(rows, graph: str, sizes: dict[str, int], start: dict[str, int], keep: set[str]) -> tuple[int, int, int]:
     """(peak, end, tensors) of the live bytes above `start`'s total over `graph`'s kernels in order
     (`tensors`: how many the graph had made and still held at its peak): each
     output allocated when its kernel runs, each buffer freed after its last reader unless kept; a view
-    aliases what it reads; the forward graph's inputs (`primals_*`) are never counted."""
+    aliases what it reads; the forward graph's inputs (`primals_*`) are never counted. `rows` as the
+    table's (a buffer as (name, size key), `sizes` the bytes of each key); the torch side plays a fresh
+    extraction with it (torch_tools/inductor_block.py `Extraction.transient`)."""
     rows = [r for r in rows if r[0] == graph]
     alias: dict[str, str] = {}
 
@@ -117,6 +119,7 @@ def _walk(rows, graph: str, sizes: dict[str, int], start: dict[str, int], keep: 
         if kind == "view":
             for name, _ in writes:
                 alias[name] = root(reads[0][0]) if reads else name
+    keep = {root(name) for name in keep}
     live = dict(start)
     level = peak = begin = sum(start.values())
     tensors = 0
@@ -146,9 +149,9 @@ def compiled_activations(d: TransformerDims, b: int, s: int, p: int) -> tuple[in
     size_of = {name: size for row in kernels for name, size in row[3] + row[4]}
     # `_conj` (the rotary table's conjugate) is a view of the model's table: not the block's bytes
     saved_bytes = sum(sizes[size_of[name]] for name in saved if size_of[name] != "SD2_c64")
-    peak, end, _ = _walk(kernels, "forward", sizes, {}, set(outputs["forward"]))
+    peak, end, _ = walk_schedule(kernels, "forward", sizes, {}, set(outputs["forward"]))
     start = {name: sizes[size_of[name]] for name in saved} | {"tangents_1": sizes["TH"]}
-    bwd_peak, _, tensors = _walk(kernels, "backward", sizes, start, set(outputs["backward"]))
+    bwd_peak, _, tensors = walk_schedule(kernels, "backward", sizes, start, set(outputs["backward"]))
     return saved_bytes, peak - end, bwd_peak, max(tensors, 1)
 
 
