@@ -134,11 +134,12 @@ def test_activation_offload_frees_the_saved_activations_on_the_gpu():
     on_gpu, offloaded = _run(), _run(training={"activation_offload": True})
     host = offloaded.graph.host
     moved = sum(op.comm_bytes for op in offloaded.graph.ops if op.group == D2H)
-    assert host.activations_peak == moved > 0
+    weights = sum(op.comm_bytes for op in offloaded.graph.ops if op.group == D2H and " weights " in op.name)
+    assert host.activations_peak == moved > weights > 0
     assert host.activations == 0  # all back by the end of backward
     before = _level(on_gpu, "activations")[_end_of_forward(on_gpu)]
     after = _level(offloaded, "activations")[_end_of_forward(offloaded)]
-    assert after == before - host.activations_peak
+    assert after == before - (host.activations_peak - weights)  # the weights stay where FSDP keeps them
     assert offloaded.peak()["allocated_bytes"] < on_gpu.peak()["allocated_bytes"]
     assert offloaded.step_time_s > on_gpu.step_time_s  # the copies run on the compute stream
     copies = [op for op in offloaded.graph.ops if op.group in (D2H, H2D)]
@@ -204,3 +205,33 @@ def test_a_profile_without_a_host_section_refuses_offload_but_runs_without(tmp_p
     data["training"]["activation_offload"] = True
     with pytest.raises(ScenarioError, match="hardware.profile: a100-80gb has no host: section"):
         parse_scenario(data)
+
+
+def test_save_on_cpu_packs_every_weight_autograd_saves():
+    """save_on_cpu's pack hook sees parameters too (torch/autograd/graph.py, saved_tensors_hooks): every
+    block's and the head's GEMM weights and the norms' weights go D2H in forward as the unsharded bf16
+    parameters, not the embedding's (its backward saves the indices); each comes back H2D as a new GPU copy
+    alive during its module's backward only, beside FSDP's re-gathered parameters."""
+    result = _run(training={"activation_offload": True})
+    sc = result.scenario
+    expected = sum(2 * p.numel for m in sc.workload.modules if m.kind != "embedding" for p in m.params)
+    ops = result.graph.ops
+    d2h = [op for op in ops if op.group == D2H and " weights " in op.name]
+    h2d = [op for op in ops if op.group == H2D and " weights " in op.name]
+    assert sum(op.comm_bytes for op in d2h) == sum(op.comm_bytes for op in h2d) == expected
+    assert {op.phase for op in d2h} == {"forward"} and {op.phase for op in h2d} == {"backward"}
+    copies = [op for op in ops if op.kind == "alloc" and "(save_on_cpu)" in op.name]
+    assert sum(op.buffer.nbytes for op in copies) == expected
+    frees = {op.buffer.id: op.id for op in ops if op.kind == "free" and op.buffer is not None}
+    for op in copies:  # freed in the same module's backward
+        assert ops[frees[op.buffer.id]].unit == op.unit and ops[frees[op.buffer.id]].phase == "backward"
+
+
+def test_save_on_cpu_packs_nothing_inside_a_checkpoint():
+    """A non-reentrant checkpoint's own saved-tensor hooks are the innermost: its forward packs nothing, not
+    its input either (the recompute closure holds it) -- under full checkpointing only the modules outside
+    the blocks copy."""
+    result = _run(training={"activation_offload": True, "activation_checkpointing": "full"})
+    units = {op.unit for op in result.graph.ops if op.group == D2H}
+    blocks = {m.name for m in result.scenario.workload.modules if m.is_block}
+    assert units and not units & blocks

@@ -113,3 +113,48 @@ def test_adamw8bit_states_on_one_gpu_and_adafactor_refused():
     assert 0 < states[0] < states[1] / 3
     with pytest.raises(ScenarioError, match="training.optimizer: adafactor"):
         _scenario(training={"optimizer": "adafactor"})
+
+
+def _live_by_category(ops, upto: int) -> dict[str, int]:
+    live = {}
+    for op in ops[: upto + 1]:
+        if op.buffer is not None and op.kind in ("alloc", "free"):
+            live[op.buffer.id] = (op.buffer.category, op.buffer.nbytes if op.kind == "alloc" else 0)
+    out = {}
+    for category, nbytes in live.values():
+        out[category] = out.get(category, 0) + nbytes
+    return out
+
+
+def test_checkpointed_casts_stay_in_autocasts_cache_until_the_forward_ends():
+    """Non-reentrant checkpointing saves nothing in forward, but autocast's cache keeps every cast until the
+    outermost region exits (autocast_mode.py: clear_autocast_cache once the nesting reaches 0): at the end
+    of the forward (the loss included) every GEMM weight's copy is alive, as without checkpointing; the
+    recompute casts again, and each copy is gone after its module's backward."""
+    sc = _scenario(training={"activation_checkpointing": "full"})
+    ops = simulate(sc).graph.ops
+    by_name = {p.name: p for p in sc.workload.params}
+    expected = sum(2 * p.numel for m in sc.workload.modules for p in autocast_params(m, by_name, sc.settings))
+    last_compute = max(op.id for op in ops if op.phase == "forward" and op.kind == "compute")
+    assert _live_by_category(ops, last_compute)["unsharded_params"] == expected
+    last_forward = max(op.id for op in ops if op.phase == "forward")
+    assert _live_by_category(ops, last_forward).get("unsharded_params", 0) < expected  # the region exited
+    assert _live_by_category(ops, len(ops) - 1).get("unsharded_params", 0) == 0
+
+
+def test_a_later_micro_batch_adds_through_a_fp32_temporary_of_each_cast_weight():
+    """ToCopyBackward returns a new fp32 tensor: AccumulateGrad steals it as `.grad` in the first
+    micro-batch (accumulate_grad.h Case 1.1) and adds it in place later (Case 2.3), so each later micro-batch
+    has one fp32 temporary per cast weight; an embedding's or a norm's gradient is fp32 already (no cast)."""
+    sc = _scenario(training={"grad_accumulation": 3})
+    ops = simulate(sc).graph.ops
+    by_name = {p.name: p for p in sc.workload.params}
+    cast = [p for m in sc.workload.modules for p in autocast_params(m, by_name, sc.settings)]
+    temps = [op for op in ops if op.kind == "alloc" and "(ToCopyBackward)" in op.name]
+    assert sorted(op.buffer.nbytes for op in temps) == sorted(4 * p.numel for p in cast for _ in range(2))
+    assert {op.phase for op in temps} == {"backward #2", "backward #3"}
+    uncast = [p for p in sc.workload.params if p.trainable and p not in cast]
+    assert uncast  # the embedding and the norms: their gradients are allocated in fp32, never in bf16
+    bf16 = {op.name for op in ops if op.kind == "alloc" and op.name.endswith("unsharded grad")
+            and op.buffer.nbytes == 2 * by_name[op.name.removesuffix(" unsharded grad")].numel}
+    assert bf16 == {f"{p.name} unsharded grad" for p in cast}

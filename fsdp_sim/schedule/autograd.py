@@ -14,7 +14,8 @@ from fsdp_sim.schedule.clipping import clip_grad_norm
 from fsdp_sim.schedule.offload import HostMemory
 from fsdp_sim.schedule.ops import Buffer, Op, OpGraph
 from fsdp_sim.schedule.optimizers import StepCost, step_cost
-from fsdp_sim.schedule.param_dtypes import unit_shards
+from fsdp_sim.schedule.float8 import FLOAT8_BYTES
+from fsdp_sim.schedule.param_dtypes import gathered_itemsize, unit_shards
 from fsdp_sim.schedule.settings import FSDPSettings
 from fsdp_sim.schedule.techniques import techniques_of
 from fsdp_sim.workload.checkpointing import Checkpoint, checkpoint_plans
@@ -88,6 +89,8 @@ class AutogradStep:
         self._module_pass(m, None, "backward")
         for temp in temps:
             g.free(COMPUTE, temp)
+        if self.techniques.activation_offload:
+            self.techniques.activation_offload.release_weights(m)
         if m.name in self.saved:
             g.free(COMPUTE, self.saved.pop(m.name))
         if m.name in self.cached:
@@ -96,7 +99,7 @@ class AutogradStep:
         grads = self.unsharded_grads
         for p in m.params + tuple(self.params_by_name[n] for n in m.tied_params) if m.tied_params else m.params:
             if p.trainable and p.name not in grads:
-                grads[p.name] = g.alloc(COMPUTE, f"{p.name} unsharded grad", "unsharded_grads", p.numel * s.param_bytes)
+                grads[p.name] = self.new_grad(p)
         tail = None if tail_bytes is None else g.alloc(COMPUTE, f"{m.name} backward, last moment", "temporaries", tail_bytes)
         if tail is not None:
             g.free(COMPUTE, tail)
@@ -108,6 +111,18 @@ class AutogradStep:
         if prev is not None and prev.name in self.outputs:
             g.free(COMPUTE, self.outputs.pop(prev.name))  # this module's saved input
         self.grad_output = grad_input
+
+    def saved_weight_itemsize(self, p) -> int:
+        """Bytes per element of parameter `p` as the ops that save it see it: the unsharded parameter (one
+        byte where torchao's float8 all-gather gathered it in float8; plain training overrides it)."""
+        if self.s.float8_all_gather and p.name in self.s.float8_weights:
+            return FLOAT8_BYTES
+        return gathered_itemsize(p, self.s)
+
+    def new_grad(self, p) -> Buffer:
+        """The gradient autograd computes for parameter `p`, in the compute dtype (plain training's autocast
+        overrides it: a weight autocast does not cast gets its gradient in its own dtype)."""
+        return self.g.alloc(COMPUTE, f"{p.name} unsharded grad", "unsharded_grads", p.numel * self.s.param_bytes)
 
     def _module_pass(self, m: Module, ck: Checkpoint | None, kernel_pass: str) -> None:
         """The compute op of one pass of `m` (forward | recompute | backward), with what `module_work` reads

@@ -21,6 +21,18 @@ pinned host tensor (`packed.copy_(tensor, non_blocking=True)`, on the current st
 compute) and the GPU tensor drops once nothing else holds it; backward's unpack copies it back `.to(device,
 non_blocking=True)` on the current stream when its node runs. Per module here: a module's saved tensors and
 the input it saved go to the host after its forward and return before its backward (or its recompute).
+torch's default is `pin_memory=False` (`save_on_cpu.__init__`, torch/autograd/graph.py): `tensor.cpu()`
+into pageable memory, blocking both ways; `training.activation_offload: true` is the pinned form.
+
+The pack hook sees every tensor a node saves, parameters included (`saved_tensors_hooks` wrap each
+`SavedVariable`): each GEMM's weight (the unsharded parameter under FSDP, autocast's copy in plain training)
+and a norm's weight are copied to the host as well, although the GPU keeps them (FSDP frees its copy at
+reshard, autocast's cache at the region's exit); in backward the unpack makes a new GPU copy of each, beside
+the one FSDP re-gathers, alive until its node has run. Not packed: an embedding's weight (its backward
+saves the indices), a bias beside a GEMM (addmm's backward does not read it), a bitsandbytes 4-bit base
+(`MatMul4Bit` keeps it on `ctx.tensors`, not `save_for_backward`), and anything inside a non-reentrant
+checkpoint, whose own saved-tensor hooks are the innermost and win (torch/utils/checkpoint.py): its
+forward packs nothing, and its input is held by the recompute closure, not saved.
 """
 
 from __future__ import annotations
@@ -32,8 +44,9 @@ from fsdp_sim.errors import ScenarioError
 from fsdp_sim.hardware.host_link import CPU, D2H, H2D
 from fsdp_sim.schedule.optimizers import step_cost
 from fsdp_sim.schedule.ops import Buffer, Op
-from fsdp_sim.schedule.param_dtypes import casts, stored_itemsize
-from fsdp_sim.workload.model import Module
+from fsdp_sim.schedule.param_dtypes import NON_FLOATING, casts, stored_itemsize
+from fsdp_sim.workload.frozen import QUANT_STATE_SUFFIX
+from fsdp_sim.workload.model import Module, Param
 from fsdp_sim.wrap import Unit
 
 COMPUTE, COPY_IN = "compute", "all_gather_copy_in"
@@ -167,6 +180,20 @@ class CPUOffload:
         self.host_grads.clear()  # zero_grad(set_to_none=True)
 
 
+def weights_autograd_saves(m: Module, tied: tuple[Param, ...] = ()) -> tuple[Param, ...]:
+    """The parameters of `m` (and the tied ones it uses) that its nodes save for backward (module
+    docstring): GEMM weights and norm weights in a floating dtype, not an embedding's, a GEMM's bias or a
+    4-bit base and its block scales."""
+    if m.kind == "embedding" or not m.records_graph:
+        return ()
+    names = {p.name for p in m.params}
+    packed = {n[:-len(QUANT_STATE_SUFFIX)] + ".weight" for n in names if n.endswith(QUANT_STATE_SUFFIX)}
+    gemms = {p.name.rsplit(".", 1)[0] for p in m.params if len(p.shape) >= 2}
+    return tuple(p for p in m.params + tied
+                 if p.dtype not in NON_FLOATING and p.name not in packed
+                 and not (len(p.shape) < 2 and p.name.endswith(".bias") and p.name.rsplit(".", 1)[0] in gemms))
+
+
 class ActivationOffload:
     """`save_on_cpu(pin_memory=True)` around the model's forward as a part of the step (techniques.py): moves
     the step's saved tensors and saved inputs to its host memory and back; keeps what it moved, by module."""
@@ -174,15 +201,24 @@ class ActivationOffload:
     def __init__(self, step) -> None:
         self.step = step
         self.offloaded: dict[str, list] = {}  # by module: what went to the host
+        self.weights: dict[str, int] = {}  # by module: bytes of the weights packed
+        self.weight_copies: dict[str, Buffer] = {}  # by module: the weights' GPU copies its backward unpacked
 
     def offload_saved(self, m: Module, prev: Module | None) -> None:
         """After m's forward: its saved tensors, and the input it saved (an earlier module's output that only
         autograd still holds once m's forward is done), are copied to pinned host memory on the compute
-        stream and dropped."""
-        if not m.in_model:
-            return
+        stream and dropped; the weights it saved are copied too, and stay on the GPU where their owner
+        keeps them. A checkpointed module packs nothing (module docstring)."""
         step = self.step
+        if not m.in_model or m.name in step.checkpoints:
+            return
         g = step.g
+        tied = tuple(step.params_by_name[n] for n in m.tied_params)
+        weights = sum(p.numel * step.saved_weight_itemsize(p) for p in weights_autograd_saves(m, tied))
+        if weights:
+            g.add("copy", COMPUTE, f"{m.name} weights D2H (save_on_cpu)", comm_bytes=weights, group=D2H)
+            step.host.offload(weights)
+            self.weights[m.name] = weights
         moved = []
         if m.name in step.saved:
             moved.append(("saved", step.saved.pop(m.name)))
@@ -200,6 +236,12 @@ class ActivationOffload:
         stream, where autograd reads it from."""
         step = self.step
         g = step.g
+        weights = self.weights.pop(m.name, 0)
+        if weights:
+            self.weight_copies[m.name] = g.alloc(COMPUTE, f"{m.name} weights unpacked (save_on_cpu)",
+                                                 "unsharded_params", weights)
+            g.add("copy", COMPUTE, f"{m.name} weights H2D (save_on_cpu unpack)", comm_bytes=weights, group=H2D)
+            step.host.reload(weights)
         for what, old in self.offloaded.pop(m.name, ()):
             buf = g.alloc(COMPUTE, old.name, old.category, old.nbytes)
             g.add("copy", COMPUTE, f"{old.name} H2D (save_on_cpu unpack)", comm_bytes=old.nbytes, group=H2D)
@@ -208,3 +250,9 @@ class ActivationOffload:
                 step.outputs[prev.name] = buf
             else:
                 step.saved[m.name] = buf
+
+    def release_weights(self, m: Module) -> None:
+        """After m's backward: its nodes have run and dropped the weights they unpacked."""
+        buf = self.weight_copies.pop(m.name, None)
+        if buf is not None:
+            self.step.g.free(COMPUTE, buf)

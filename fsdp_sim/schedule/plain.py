@@ -99,6 +99,8 @@ class PlainRuntime(AutogradStep):
             self.wl = fp32_residual_stream(self.wl, s)
         self.grads: dict[str, Buffer] = {}  # .grad, by parameter, kept across micro-batches
         self.casts: dict[str, tuple[Buffer, ...]] = {}  # autocast's copies saved for backward, by module
+        self.cast_names = {p.name for m in self.wl.modules for p in autocast_params(m, self.params_by_name, s)} \
+            if self.autocast else set()
         for m in self.wl.modules:
             g.unit = m.name
             if m.params:  # trainable in the storage dtype, frozen in their own (param_dtypes.py)
@@ -123,6 +125,12 @@ class PlainRuntime(AutogradStep):
         return g
 
     def _forward(self) -> None:
+        """The forward and the loss inside one autocast region. A cast that autograd does not keep (a
+        non-reentrant checkpoint saves nothing in forward) stays in autocast's cache until the region
+        exits: `autocast.__exit__` clears it only once `autocast_decrement_nesting()` reaches 0
+        (torch/amp/autocast_mode.py), and the checkpoint's forward neither enters autocast nor clears the
+        cache (torch/utils/checkpoint.py). So every checkpointed module's casts live to the end of the
+        forward, the loss included."""
         g = self.g
         prev = None
         for m in self.wl.modules:
@@ -131,8 +139,10 @@ class PlainRuntime(AutogradStep):
                 self._cast(m)
             self.forward_compute(m, prev)
             prev = m
-            if self.autocast and m.name in self.checkpoints:
-                self._uncast(m)  # the checkpoint saved nothing: the cached cast dies with the region
+        g.unit = ""
+        offloaded = self.techniques.activation_offload is not None  # save_on_cpu packed the rest (offload.py)
+        for name in [name for name in self.casts if name in self.checkpoints or offloaded]:
+            self._uncast_named(name)  # the region exits: clear_autocast_cache()
 
     def _backward(self) -> None:
         g = self.g
@@ -143,11 +153,11 @@ class PlainRuntime(AutogradStep):
                 break
             g.unit = m.name
             if self.autocast and m.name in self.checkpoints:
-                self._cast(m)  # the recompute casts again
+                self._cast(m)  # the recompute enters autocast again, casts, and saves what it casts
             self.backward_compute(m, modules[i - 1] if i else None, modules[i + 1] if i + 1 < len(modules) else None)
-            self._accumulate_grads(m)
-            if self.autocast:
+            if self.autocast:  # the GEMM's node releases the cast it saved once it has run, before ToCopyBackward
                 self._uncast(m)
+            self._accumulate_grads(m)
 
     def _cast(self, m: Module) -> None:
         params = autocast_params(m, self.params_by_name, self.s)
@@ -161,22 +171,57 @@ class PlainRuntime(AutogradStep):
               launches=len(params))
 
     def _uncast(self, m: Module) -> None:
-        for buf in self.casts.pop(m.name, ()):
+        self._uncast_named(m.name)
+
+    def _uncast_named(self, name: str) -> None:
+        for buf in self.casts.pop(name, ()):
             self.g.free(COMPUTE, buf)
+
+    def saved_weight_itemsize(self, p: Param) -> int:
+        """What a GEMM saves is autocast's copy of its weight; a norm's weight is saved as stored."""
+        return self.s.param_bytes if p.name in self.cast_names else stored_itemsize(p, self.s)
+
+    def new_grad(self, p: Param) -> Buffer:
+        """A weight autocast casts gets its gradient in the compute dtype (ToCopyBackward casts it back in
+        `_accumulate_grads`); any other (an embedding's, a norm's: their ops run on the stored weight) in its
+        own dtype, which AccumulateGrad steals as the `.grad` when there is none (Case 1.1, see below) and
+        otherwise adds in place and drops."""
+        if p.name in self.cast_names or not self.autocast:
+            return super().new_grad(p)
+        nbytes = p.numel * stored_itemsize(p, self.s)
+        if p.name not in self.grads:
+            self.grads[p.name] = self.g.alloc(COMPUTE, f"{p.name}.grad", "sharded_grads", nbytes)
+            return self.grads[p.name]
+        return self.g.alloc(COMPUTE, f"{p.name} unsharded grad", "unsharded_grads", nbytes)
 
     def _accumulate_grads(self, m: Module) -> None:
         """`ToCopyBackward` + `AccumulateGrad`: the gradient autograd produced in the compute dtype
-        becomes `.grad` in the parameter's dtype (the first micro-batch), or is added into it."""
+        becomes `.grad` in the parameter's dtype (the first micro-batch), or is added into it.
+
+        ToCopyBackward of an autocast cast returns a new tensor in the parameter's dtype. With no `.grad`
+        yet AccumulateGrad steals it (`accumulateGrad` Case 1.1, torch/csrc/autograd/functions/
+        accumulate_grad.h in the wheel's include/): it is the `.grad`. With one (a later micro-batch)
+        it runs `variable_grad += new_grad` (Case 2.3), so that tensor is a temporary the size of the
+        parameter in its own dtype, alive beside the compute-dtype gradient it was cast from."""
         g, s = self.g, self.s
+        cast = self.cast_names
         for p in m.params + tuple(self.params_by_name[n] for n in m.tied_params):
             grad = self.unsharded_grads.pop(p.name, None)
             if grad is None:
                 continue
+            if grad is self.grads.get(p.name):  # stolen: it is the .grad
+                continue
+            temp = None
             if p.name not in self.grads:
                 self.grads[p.name] = g.alloc(COMPUTE, f"{p.name}.grad", "sharded_grads", p.numel * s.storage_bytes)
-            if s.param_bytes != s.storage_bytes:
+            elif p.name in cast:
+                temp = g.alloc(COMPUTE, f"{p.name} grad in {s.storage_dtype} (ToCopyBackward)", "temporaries",
+                               p.numel * s.storage_bytes)
+            if p.name in cast:  # ToCopyBackward reads the gradient and writes it in the parameter's dtype
                 g.add("compute", COMPUTE, f"{p.name} grad cast", hbm_bytes=p.numel * (s.param_bytes + 2 * s.storage_bytes))
             g.free(COMPUTE, grad)
+            if temp is not None:
+                g.free(COMPUTE, temp)
 
 
 def build_plain_step(workload: Workload, units: list[Unit], settings: FSDPSettings) -> OpGraph:

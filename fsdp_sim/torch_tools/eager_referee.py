@@ -50,7 +50,7 @@ class _StorageLog(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.seen = WeakIdKeyDictionary()
-        self.events: list[tuple[str, int, int]] = []  # ("alloc" | "free" | "step", storage, bytes)
+        self.events: list[tuple] = []  # ("alloc" | "free" | "step", storage, bytes), ("phase", name, 0)
         self.recording = False
         self.count = 0  # storage ids (the dictionary shrinks as storages die)
 
@@ -79,12 +79,15 @@ class EagerSteps:
 
     allocated_bytes: int  # peak live bytes, parameters included (max_memory_allocated)
     reserved_bytes: list[int]  # reserved after each step (max_memory_reserved: it never decreases)
+    phase_bytes: dict[str, int]  # peak live bytes by phase: "forward" (and its loss, inside autocast), "backward"
 
 
 def eager_steps(cfg: ReferenceConfig, *, batch: int, seq: int, activation_checkpointing: str = "none",
-                dtype: str = "bf16", expandable_segments: bool = False, autocast: bool = False) -> EagerSteps:
+                dtype: str = "bf16", expandable_segments: bool = False, autocast: bool = False,
+                grad_accumulation: int = 1) -> EagerSteps:
     """`STEPS` training steps of the ReferenceTransformer, logged storage by storage and replayed on the
-    allocator model (with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` when asked)."""
+    allocator model (with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` when asked); each step runs
+    `grad_accumulation` forwards and backwards (a new batch each, the previous dropped) before the step."""
     log = _StorageLog()
     with FakeTensorMode():
         torch.set_default_dtype(DTYPES[dtype])  # fake parameters cannot be converted after creation
@@ -96,17 +99,22 @@ def eager_steps(cfg: ReferenceConfig, *, batch: int, seq: int, activation_checkp
             selective_checkpointing(activation_checkpointing)(model)
         params = list(model.parameters())
         optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-        tokens = torch.randint(0, cfg.vocab, (batch, seq))
-        labels = torch.randint(0, cfg.vocab, (batch, seq))
         for p in params:  # allocated before the first step, as the simulator's persistent buffers
             log.see(p)
         with log:
             log.recording = True
             for step in range(STEPS):
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                    loss = loss_fn(model(tokens), labels)
-                loss.backward()
-                del loss
+                for _ in range(grad_accumulation):
+                    tokens = torch.randint(0, cfg.vocab, (batch, seq))
+                    labels = torch.randint(0, cfg.vocab, (batch, seq))
+                    log.events.append(("phase", "forward", 0))
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                        loss = loss_fn(model(tokens), labels)
+                        log.events.append(("phase", "", 0))  # the last moment inside the region
+                    log.events.append(("phase", "backward", 0))
+                    loss.backward()
+                    log.events.append(("phase", "", 0))
+                    del loss
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 gc.collect()  # autograd's graph holds no cycle, but a finalizer may wait for a collection
@@ -114,12 +122,13 @@ def eager_steps(cfg: ReferenceConfig, *, batch: int, seq: int, activation_checkp
     return _replay(log.events, [p.untyped_storage().nbytes() for p in params], AllocatorConfig(expandable_segments))
 
 
-def _replay(events: list[tuple[str, int, int]], persistent: list[int], config: AllocatorConfig) -> EagerSteps:
+def _replay(events: list[tuple], persistent: list[int], config: AllocatorConfig) -> EagerSteps:
     alloc = CachingAllocator(config)
     for nbytes in persistent:
         alloc.malloc(nbytes, "compute")
     live = peak = sum(persistent)
     blocks, reserved = {}, []
+    phase, phase_peaks = "", {}
     for kind, sid, nbytes in events:
         if kind == "alloc":
             blocks[sid] = alloc.malloc(nbytes, "compute")
@@ -128,17 +137,34 @@ def _replay(events: list[tuple[str, int, int]], persistent: list[int], config: A
         elif kind == "free":
             alloc.free(blocks.pop(sid))
             live -= nbytes
+        elif kind == "phase":
+            phase = sid
         else:
             reserved.append(alloc.reserved)
-    return EagerSteps(peak, reserved)
+        if phase:
+            phase_peaks[phase] = max(phase_peaks.get(phase, 0), live)
+    return EagerSteps(peak, reserved, phase_peaks)
 
 
 def simulated(cfg: ReferenceConfig, *, batch: int, seq: int, activation_checkpointing: str = "none",
-              dtype: str = "bf16", expandable_segments: bool = False, autocast: bool = False):
+              dtype: str = "bf16", expandable_segments: bool = False, autocast: bool = False, grad_accumulation: int = 1):
     """The simulator's step of the same job: plain training, parameters stored in `dtype`, computing in
     it (or, with `autocast`, in bf16 under autocast)."""
-    data = reference_scenario(cfg, world_size=1, batch=batch, seq=seq, activation_checkpointing=activation_checkpointing)
+    data = reference_scenario(cfg, world_size=1, batch=batch, seq=seq, activation_checkpointing=activation_checkpointing,
+                              grad_accumulation=grad_accumulation)
     data["allocator"] = {"expandable_segments": expandable_segments}
     data["fsdp"] = {"version": "none", "mixed_precision": {"param_dtype": "bf16" if autocast else dtype}}
     data["training"]["param_storage_dtype"] = dtype
     return simulate(parse_scenario(data, name="eager-referee"))
+
+
+def simulated_phase_bytes(result) -> dict[str, int]:
+    """The simulated step's peak allocated bytes by phase, as `EagerSteps.phase_bytes` counts them: "forward"
+    and "backward" over every micro-batch (the phases "forward #2" and so on)."""
+    memory, peaks = result.memory, {}
+    for row in range(len(memory.total)):
+        op = memory.op_at(row)
+        phase = op.phase.split(" #")[0] if op is not None else ""
+        if phase in ("forward", "backward"):
+            peaks[phase] = max(peaks.get(phase, 0), int(memory.total[row]))
+    return peaks
