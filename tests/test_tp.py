@@ -99,7 +99,38 @@ def test_tp_collectives_per_block(sp, ac):
         assert bwd == ["all_reduce", "all_reduce"]
     assert recompute == (fwd[:3] if sp else fwd[:1]) if ac == "full" else recompute == []
     ops = _tp_ops(r.graph, "layers.0", "forward") + _tp_ops(r.graph, "layers.0", "backward")
+    ops = [op for op in ops if "Partial -> Replicate" not in op.name]  # the norms' gradients (below)
     assert all(op.comm_bytes == 2 * b * s * h and op.stream == "compute" for op in ops)
+
+
+@pytest.mark.parametrize("sp, accumulation", [(True, 1), (True, 3), (False, 1)])
+def test_sequence_parallel_norm_grads_are_all_reduced_in_post_backward(sp, accumulation):
+    """torchtitan's SequenceParallel norms keep Replicate weights that read Shard(1) inputs, so their gradients
+    are Partial; FSDP2's post-backward reads each through `_get_grad_inner_tensor`, which redistributes it to
+    Replicate: one TP all-reduce of each norm weight's gradient (bf16, h elements) on the compute stream, in
+    the backward that reduce-scatters (accumulated without sync, it waits for that one), before the unit's
+    reduce-scatter; none without sequence parallel (the norms are not DTensors there)."""
+    b, s, h = 2, 16, 64
+    data = scenario_dict(SMALL, nodes=2, training={"micro_batch": b, "seq_len": s, "grad_accumulation": accumulation})
+    data["parallelism"] = {"tp": 4, "sequence_parallel": sp}
+    data["fsdp"]["mixed_precision"] = {"param_dtype": "bf16", "reduce_dtype": "fp32"}
+    if accumulation > 1:
+        data["fsdp"]["requires_gradient_sync"] = False
+    sc, r = run(data)
+    ops = [op for op in r.graph.ops if op.group == TP_GROUP and "Partial -> Replicate" in op.name]
+    norms = [p for p in sc.workload.params if p.name.endswith("norm.weight")]
+    if not sp:
+        assert ops == []
+        return
+    assert sorted(op.name.split(" ")[0] for op in ops) == sorted(p.name for p in norms)
+    reduce_bytes = 4 if accumulation > 1 else 2  # accumulated in reduce_dtype fp32 until the syncing backward
+    assert all(op.kind == "all_reduce" and op.stream == "compute" and op.comm_bytes == reduce_bytes * h for op in ops)
+    last = f"backward #{accumulation}" if accumulation > 1 else "backward"
+    assert {op.phase for op in ops} == {last}
+    for op in ops:  # before its unit's reduce-scatter
+        rs = next(o for o in r.graph.ops if o.kind == "reduce_scatter" and o.group != TP_GROUP
+                  and o.unit == op.unit and o.phase == op.phase)
+        assert op.id < rs.id
 
 
 @pytest.mark.parametrize("sp", [True, False])
@@ -113,11 +144,19 @@ def test_float8_tp_all_gathers_move_one_byte_and_each_sharded_cast_all_reduces_i
     data = scenario_dict(SMALL | {"hidden": h, "ffn_hidden": 512}, nodes=2, training={"micro_batch": b, "seq_len": s})
     data["hardware"]["profile"] = "h100-sxm"
     data["parallelism"] = {"tp": 4, "sequence_parallel": sp}
-    data["compute"] = {"float8": {"enabled": True}}
+    data["compute"] = {"float8": {"enabled": True, "fsdp_float8_all_gather": True}}
     _, r = run(data)
     fwd = [(op.kind, op.comm_bytes) for op in _tp_ops(r.graph, "layers.0", "forward")]
-    bwd = [(op.kind, op.comm_bytes) for op in _tp_ops(r.graph, "layers.0", "backward")]
+    bwd = [(op.kind, op.comm_bytes) for op in _tp_ops(r.graph, "layers.0", "backward") if "Partial" not in op.name]
     amax, fp8, bf16 = ("all_reduce", 4), b * s * h, 2 * b * s * h
+    # without the float8 all-gather each of the 7 Float8Linears casts its TP-sharded bf16 weight in forward
+    # and again in backward (torchao float8_linear.py): one more amax all-reduce per Linear and pass
+    data["compute"]["float8"]["fsdp_float8_all_gather"] = False
+    _, bf16_weights = run(data)
+    for phase, ours in (("forward", fwd), ("backward", bwd)):
+        theirs = [(op.kind, op.comm_bytes) for op in _tp_ops(bf16_weights.graph, "layers.0", phase) if "Partial" not in op.name]
+        assert theirs.count(amax) == ours.count(amax) + 7
+        assert [x for x in theirs if x != amax] == [x for x in ours if x != amax]
     if sp:
         assert fwd == [amax, ("all_gather", fp8), amax, ("reduce_scatter", bf16)] * 2
         # backward, w2 first: amax and fp8 all-gather of its gradient, w3, w1 (then its input gradient's

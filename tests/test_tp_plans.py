@@ -99,7 +99,33 @@ def test_collectives_agree_with_dtensor(plan, sp):
     theirs = record_tp_collectives(cfg, plan, tp=4, batch=2, seq=16, sequence_parallel=sp)
     _, r = _run(plan, sp=sp)
     assert Counter(_tp_ops(r, "forward")) == Counter(theirs["forward"])
-    assert Counter(_tp_ops(r, "backward")) == Counter(theirs["backward"])
+    # without FSDP the norms' Partial gradients stay Partial: FSDP2's post-backward redistributes them (below)
+    partial = Counter((op.kind, op.comm_bytes) for op in r.graph.ops if "Partial -> Replicate" in op.name)
+    assert Counter(_tp_ops(r, "backward")) - partial == Counter(theirs["backward"])
+
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_tp_collectives_under_fsdp2_agree_with_dtensor(sp):
+    """Two steps of torchtitan's plan under FSDP2 on a (dp 2, tp 4) mesh of fake ranks: every functional
+    collective DTensor issues, FSDP2's post-backward redistribution of the SequenceParallel norms' Partial
+    gradients (`_get_grad_inner_tensor`: one all-reduce of each norm weight's bf16 gradient) among them, is
+    one fsdp-sim schedules on the TP group, by kind and bytes (twice its one step). Without sequence parallel
+    the norms are not DTensors: none."""
+    pytest.importorskip("torch")
+    from fsdp_sim.torch_tools.reference_model import ReferenceConfig
+    from fsdp_sim.torch_tools.tp_plan_referee import record_tp_fsdp_collectives
+
+    # one sequence of 16 tokens: loss parallel's fp32 all-reduces (64 B) differ from a norm gradient's (2h = 128 B)
+    theirs = record_tp_fsdp_collectives(ReferenceConfig(**SMALL), tp=4, dp=2, sequence_parallel=sp, batch=1, seq=16)
+    data = scenario_dict(SMALL, nodes=1, training={"micro_batch": 1, "seq_len": 16, "max_norm": None})
+    data["hardware"]["gpus_per_node"] = 8
+    data["parallelism"] = {"tp": 4, "sequence_parallel": sp}
+    data["fsdp"]["mixed_precision"] = {"param_dtype": "bf16", "reduce_dtype": "fp32"}
+    _, r = run(data)
+    ours = Counter((op.kind, op.comm_bytes) for op in r.graph.ops if op.group == TP_GROUP)
+    assert Counter({key: 2 * n for key, n in ours.items()}) == theirs
+    norms = sum(n for (kind, nbytes), n in theirs.items() if kind == "all_reduce" and nbytes == 2 * SMALL["hidden"])
+    assert norms == (2 * (2 * SMALL["layers"] + 1) if sp else 0)  # two a block and the final norm, each step
 
 
 @pytest.mark.parametrize("ac", ["none", "full"])

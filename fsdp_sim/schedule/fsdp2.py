@@ -190,6 +190,8 @@ class FSDP2Runtime(FSDPWalk, GradientReduction):
             return
         self.g.unit = u.name
         self.accumulate_unsharded_grads(u)
+        if self.reduce_grads and self.techniques.tensor_parallel:  # Partial -> Replicate (tp.py)
+            self.techniques.tensor_parallel.all_reduce_partial_grads(u)
         if self.reshard_after_backward:
             self.reshard(u)
         if not self.reduce_grads:

@@ -21,7 +21,11 @@ before the all-gather that is its reduce-scatter's backward, so with sequence pa
 Each dynamic cast of a TP-sharded tensor takes its amax over the whole tensor (`tensor_to_amax`: a
 `Partial(max)` DTensor scalar), an all-reduce of one fp32 value before the cast: the input of wq and w1
 (with sequence parallel) and of wo and w2, and every Float8Linear's output gradient but a rowwise one
-without sequence parallel (Replicate there).
+without sequence parallel (Replicate there). Without the float8 all-gather the weight reaches the Linear
+as a TP-sharded bf16 DTensor, which `matmul_with_hp_or_float8_args` casts in forward and again in backward
+for the input gradient (it saved the weight in high precision; torchao `float8/float8_linear.py`): one more
+amax all-reduce in each pass, and in a recompute. With the float8 all-gather the weight arrives cast
+(`tensor_already_casted_to_fp8`) and its amax is FSDP's (schedule/float8.py).
 
 The `hf` and `blocks` plans (`workload/tp_plans.py`) have no `PrepareModuleInput`, no sequence parallel and no
 loss parallel: each colwise Linear (wq, wk, wv, w1, w3) wraps its own input, so its input gradient is
@@ -113,6 +117,23 @@ class TensorParallelCompute:
         flush()
         return None
 
+    def all_reduce_partial_grads(self, u) -> None:
+        """FSDP2's post-backward under torchtitan's plan with sequence parallel: FSDPParamGroup.post_backward
+        reads each gradient through `FSDPParam._get_grad_inner_tensor` (torch 2.13
+        `_fully_shard/_fsdp_param.py`), which redistributes a DTensor gradient to the parameter's placements
+        on the non-DP mesh dims: a norm weight's Partial gradient (`sequence_parallel_norm_params`) becomes
+        Replicate, one all-reduce on the TP group per such parameter, a functional collective waited for
+        inline (on the compute stream), before the unit reshards and reduce-scatters. One kept without
+        reduction (`set_requires_gradient_sync(False)`) stays Partial until the backward that reduces it."""
+        step = self.step
+        if step.wl.meta.get("tp_plan", "torchtitan") != "torchtitan" or not step.s.sequence_parallel:
+            return
+        for p in sequence_parallel_norm_params(u):
+            grad = step.accumulated_grads.get(p.name) or step.unsharded_grads.get(p.name)
+            if grad is not None:
+                step.g.add("all_reduce", "compute", f"{p.name} grad Partial -> Replicate (TP all-reduce)",
+                           group=TP_GROUP, comm_bytes=grad.nbytes)
+
     def _tp_segment(self, kernels: tuple[Kernel, ...]) -> tuple[Kernel, ...]:
         """One tuple object per distinct segment: op pricing caches by the kernels' identity."""
         return self.segments.setdefault(kernels, kernels)
@@ -145,12 +166,21 @@ class TensorParallelCompute:
             if before and before[pick]:
                 kind = before[pick]
                 items.append((kind, elements * FLOAT8_BYTES if float8 and kind == "all_gather" else hidden_bytes))
+            if float8 and not s.float8_all_gather:
+                items.append(("all_reduce", AMAX_BYTES))  # the TP-sharded weight's own cast (module docstring)
             items.append(k)
             if after and after[pick]:
                 items.append((after[pick], hidden_bytes))
             if k.name == LOSS_KERNEL and not backward:
                 items += [("all_reduce", wl.tokens * 4)] * LOSS_PARALLEL_ALL_REDUCES
         return items
+
+
+def sequence_parallel_norm_params(u) -> list:
+    """The unit's trainable norm parameters (`...norm.weight` / `.bias`): torchtitan's plan gives the norms
+    `SequenceParallel`, which keeps their parameters Replicate DTensors on the TP mesh while they read
+    Shard(1) inputs, so their gradients come out Partial (a sum over the sequence shards)."""
+    return [p for p in u.params if p.trainable and len(p.shape) == 1 and p.name.rsplit(".", 2)[-2].endswith("norm")]
 
 
 def per_linear_items(kernels: tuple[Kernel, ...], kernel_pass: str, wl, param_bytes: int) -> list:

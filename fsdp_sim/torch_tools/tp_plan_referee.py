@@ -18,6 +18,7 @@ and their sizes are what DTensor's redistributions ask for.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from typing import Any
 
@@ -52,11 +53,8 @@ def apply_plan(model, tp_mesh, plan: str, *, sequence_parallel: bool = True) -> 
 def record_tp_collectives(cfg, plan: str, *, tp: int, batch: int, seq: int,
                           sequence_parallel: bool = True) -> dict[str, Any]:
     """{"forward": [(kind, bytes), ...], "backward": [...]} in issue order (see the module docstring)."""
-    import contextlib
-
     import torch
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -64,6 +62,31 @@ def record_tp_collectives(cfg, plan: str, *, tp: int, batch: int, seq: int,
     from fsdp_sim.torch_tools.reference_model import ReferenceTransformer, loss_fn
 
     ops: list[tuple[str, int]] = []
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        torch.manual_seed(0)
+        model = ReferenceTransformer(cfg).to(torch.bfloat16)
+        apply_plan(model, init_device_mesh("cpu", (tp,)), plan, sequence_parallel=sequence_parallel)
+        tokens = torch.randint(0, cfg.vocab, (batch, seq))
+        ctx = loss_parallel() if plan == "torchtitan" else contextlib.nullcontext()
+        with functional_collectives_recorded(ops), ctx:
+            loss = loss_fn(model(tokens), tokens)
+            forward = list(ops)
+            loss.backward()
+        return {"forward": forward, "backward": ops[len(forward):], "counts": Counter(ops)}
+    finally:
+        if owns:
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def functional_collectives_recorded(ops: list):
+    """Every functional collective called meanwhile appended to `ops` as (kind, bytes), in fsdp-sim's
+    convention (module docstring)."""
+    import torch.distributed._functional_collectives as funcol
+
     originals = {name: getattr(funcol, name) for name in KINDS}
 
     def recording(name, orig):
@@ -74,27 +97,27 @@ def record_tp_collectives(cfg, plan: str, *, tp: int, batch: int, seq: int,
             return out
         return run
 
-    owns = not dist.is_initialized()
-    if owns:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    for name, orig in originals.items():
+        setattr(funcol, name, recording(name, orig))
     try:
-        torch.manual_seed(0)
-        model = ReferenceTransformer(cfg).to(torch.bfloat16)
-        apply_plan(model, init_device_mesh("cpu", (tp,)), plan, sequence_parallel=sequence_parallel)
-        tokens = torch.randint(0, cfg.vocab, (batch, seq))
-        ctx = loss_parallel() if plan == "torchtitan" else contextlib.nullcontext()
-        for name, orig in originals.items():
-            setattr(funcol, name, recording(name, orig))
-        with ctx:
-            loss = loss_fn(model(tokens), tokens)
-            forward = list(ops)
-            loss.backward()
-        return {"forward": forward, "backward": ops[len(forward):], "counts": Counter(ops)}
+        yield
     finally:
         for name, orig in originals.items():
             setattr(funcol, name, orig)
-        if owns:
-            dist.destroy_process_group()
+
+
+def record_tp_fsdp_collectives(cfg, *, tp: int, dp: int, sequence_parallel: bool = True, iterations: int = 2,
+                               **kwargs) -> Counter:
+    """The functional collectives of `iterations` training steps of torchtitan's plan under FSDP2 on a (dp, tp)
+    mesh (`tp_referee.run_tp_fsdp_mem_tracker`, `kwargs` its batch, seq, ...): the plan's, and FSDP2's
+    redistribution of the DTensor gradients in post-backward (the SequenceParallel norms' Partial gradients
+    to Replicate). FSDP2's own all-gathers and reduce-scatters are c10d collectives, not counted."""
+    from fsdp_sim.torch_tools.tp_referee import run_tp_fsdp_mem_tracker
+
+    ops: list[tuple[str, int]] = []
+    with functional_collectives_recorded(ops):
+        run_tp_fsdp_mem_tracker(cfg, tp=tp, dp=dp, sequence_parallel=sequence_parallel, iterations=iterations, **kwargs)
+    return Counter(ops)
 
 
 def run_plan_fsdp_mem_tracker(cfg, plan: str, *, tp: int, dp: int, **kwargs) -> dict[str, Any]:
