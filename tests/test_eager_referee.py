@@ -81,3 +81,27 @@ def test_fp32_parameters_under_autocast_forward_and_backward_peaks(ac, grad_accu
         error = ours[phase] / eager.phase_bytes[phase] - 1
         assert abs(error) < 0.03, f"{phase}: {100 * error:+.2f} %"
     assert abs(int(sim.memory.total.max()) / eager.allocated_bytes - 1) < 0.03
+
+
+LORA_MODEL = ReferenceConfig(hidden=1024, layers=4, heads=8, kv_heads=8, ffn_hidden=2816, vocab=1000, max_seq=2048)
+
+
+@pytest.mark.parametrize("dropout, ac", [(0.0, "none"), (0.0, "full"), (0.1, "none")])
+def test_peft_input_casts_under_autocast(dropout, ac):
+    """LoRA on every Linear of a frozen bf16 base, fp32 adapters, the plain step under bf16 autocast, with peft's
+    `_cast_input_dtype` (lora_referee.LoraLinear): each adapted Linear's input copied to fp32, cast back and
+    saved by lora_A. Before the simulator modelled it the peaks were 3.5 % to 15.0 % low; after, measured
+    (2026-12-03): peak -1.40 % / -1.75 % / -1.85 %, forward and backward within 2.4 %. Not a case: full
+    checkpointing with dropout, whose backward peak is -4.90 % (-11.65 % before): the recomputed block
+    there keeps 16 MiB the simulator's saved bytes for a first block miss (the same case without the
+    cast was +2.13 %)."""
+    from fsdp_sim.torch_tools.eager_referee import simulated_phase_bytes
+
+    lora = dict(targets=("all-linear",), rank=16, alpha=32.0, dropout=dropout, frozen_dtype="bf16")
+    run = dict(batch=1, seq=2048, activation_checkpointing=ac, dtype="fp32", autocast=True, lora=lora)
+    eager, sim = eager_steps(LORA_MODEL, **run), simulated(LORA_MODEL, **run)
+    ours = simulated_phase_bytes(sim)
+    for phase in ("forward", "backward"):
+        error = ours[phase] / eager.phase_bytes[phase] - 1
+        assert abs(error) < 0.03, f"{phase}: {100 * error:+.2f} %"
+    assert abs(int(sim.memory.total.max()) / eager.allocated_bytes - 1) < 0.03

@@ -158,3 +158,41 @@ def test_a_later_micro_batch_adds_through_a_fp32_temporary_of_each_cast_weight()
     bf16 = {op.name for op in ops if op.kind == "alloc" and op.name.endswith("unsharded grad")
             and op.buffer.nbytes == 2 * by_name[op.name.removesuffix(" unsharded grad")].numel}
     assert bf16 == {f"{p.name} unsharded grad" for p in cast}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_peft_casts_a_bf16_input_to_its_fp32_adapters(dropout):
+    """peft's `lora.Linear.forward` runs `x = self._cast_input_dtype(x, lora_A.weight.dtype)`: on a bf16 base
+    with fp32 adapters under autocast, an fp32 copy of each adapted Linear's input, cast back by lora_A's
+    autocast and saved there. Per adapted Linear of n = tokens x in-features: the cast kernels each way;
+    without dropout lora_A saves its own bf16 copy (2n bytes) where it shared the base's input, and an input
+    only the frozen base layers read is then not kept; with dropout the dropout's saved output is that copy
+    (the same bytes) and the dropout runs in fp32. None under FSDP2's bf16 MixedPrecisionPolicy (the adapters
+    are cast to bf16 before peft reads their dtype) nor when the adapters are stored in bf16."""
+    from fsdp_sim.workload.lora import LORA_A, PEFT_INPUT_CAST, autograd_view
+
+    lora = {"rank": 4, "targets": "all-linear", "dropout": dropout}
+    data = {"model": MODEL | {"lora": lora}, "training": {"micro_batch": 2, "seq_len": 64},
+            "hardware": {"profile": "h100-sxm", "gpus_per_node": 1}, "fsdp": {"version": "none"}}
+    sc = parse_scenario(data)
+    graph = simulate(sc).graph
+    block = next(m for m in sc.workload.modules if m.is_block)
+    adapters = {k.name[:-len(LORA_A)]: k.shape for k in block.kernels if k.name.endswith(LORA_A)}
+    casts = [op for op in graph.ops if op.kind == "compute" and op.name == f"{block.name} forward"]
+    kernels = {k.name for k in casts[0].kernels}
+    assert {name + PEFT_INPUT_CAST for name in adapters} <= kernels  # one per adapted Linear
+    # the saved bytes the plain step allocates for the block against the workload as parsed
+    saved = next(op.buffer.nbytes for op in graph.ops if op.kind == "alloc" and op.name == f"{block.name} saved activations")
+    copies = sum(tok * fan_in * 2 for tok, _, fan_in in adapters.values())
+    if dropout:
+        assert saved == block.saved_bytes
+    else:
+        unkept = autograd_view(sc.workload, frozenset(p.name for p in sc.workload.params if p.trainable), frozenset())
+        assert saved == next(m for m in unkept.modules if m.name == block.name).saved_bytes + copies
+        assert saved < block.saved_bytes + copies  # the norm outputs only frozen bases read are dropped
+    for other in ({"version": 2, "mixed_precision": {"param_dtype": "bf16"}}, {"version": "none", "mixed_precision": {"param_dtype": "bf16"}}):
+        changed = dict(data, fsdp=other)
+        if other["version"] == "none":
+            changed["training"] = dict(data["training"], param_storage_dtype="bf16")
+        ops = simulate(parse_scenario(changed)).graph.ops
+        assert not any(PEFT_INPUT_CAST in k.name for op in ops if op.kind == "compute" for k in op.kernels)

@@ -33,6 +33,7 @@ from fsdp_sim.schedule.ops import Buffer, OpGraph
 from fsdp_sim.schedule.optimizers import state_bytes
 from fsdp_sim.schedule.param_dtypes import casts, stored_itemsize
 from fsdp_sim.schedule.settings import FSDPSettings
+from fsdp_sim.workload.lora import peft_input_casts
 from fsdp_sim.workload.model import Module, Param, Workload
 from fsdp_sim.wrap import Unit
 
@@ -96,7 +97,10 @@ class PlainRuntime(AutogradStep):
         s, g = self.s, self.g
         self.autocast = s.param_dtype != s.storage_dtype
         if self.autocast:
-            self.wl = fp32_residual_stream(self.wl, s)
+            widened = fp32_residual_stream(self.wl, s)
+            if widened is self.wl and s.storage_bytes != s.param_bytes:  # activations in the compute dtype
+                widened = peft_input_casts(widened, s.storage_bytes)  # fp32 adapters cast their input
+            self.wl = widened
         self.grads: dict[str, Buffer] = {}  # .grad, by parameter, kept across micro-batches
         self.casts: dict[str, tuple[Buffer, ...]] = {}  # autocast's copies saved for backward, by module
         self.cast_names = {p.name for m in self.wl.modules for p in autocast_params(m, self.params_by_name, s)} \

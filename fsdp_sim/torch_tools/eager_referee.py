@@ -36,6 +36,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fsdp_sim.engine.allocator import AllocatorConfig, CachingAllocator
 from fsdp_sim.scenario import parse_scenario
 from fsdp_sim.simulate import simulate
+from fsdp_sim.torch_tools.lora_referee import prepare as prepare_lora, scenario_keys as lora_keys
 from fsdp_sim.torch_tools.reference_model import ReferenceConfig, ReferenceTransformer, loss_fn
 from fsdp_sim.torch_tools.referee import reference_scenario
 from fsdp_sim.torch_tools.technique_referee import selective_checkpointing
@@ -84,7 +85,7 @@ class EagerSteps:
 
 def eager_steps(cfg: ReferenceConfig, *, batch: int, seq: int, activation_checkpointing: str = "none",
                 dtype: str = "bf16", expandable_segments: bool = False, autocast: bool = False,
-                grad_accumulation: int = 1) -> EagerSteps:
+                grad_accumulation: int = 1, lora: dict | None = None) -> EagerSteps:
     """`STEPS` training steps of the ReferenceTransformer, logged storage by storage and replayed on the
     allocator model (with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` when asked); each step runs
     `grad_accumulation` forwards and backwards (a new batch each, the previous dropped) before the step."""
@@ -95,10 +96,12 @@ def eager_steps(cfg: ReferenceConfig, *, batch: int, seq: int, activation_checkp
             model = ReferenceTransformer(cfg)
         finally:
             torch.set_default_dtype(torch.float32)
+        if lora is not None:  # peft's adapters, the rest frozen (lora_referee.prepare's keywords)
+            prepare_lora(model, **lora, input_cast=True)
         if activation_checkpointing != "none":
             selective_checkpointing(activation_checkpointing)(model)
         params = list(model.parameters())
-        optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+        optimizer = torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-4, foreach=True)
         for p in params:  # allocated before the first step, as the simulator's persistent buffers
             log.see(p)
         with log:
@@ -147,7 +150,8 @@ def _replay(events: list[tuple], persistent: list[int], config: AllocatorConfig)
 
 
 def simulated(cfg: ReferenceConfig, *, batch: int, seq: int, activation_checkpointing: str = "none",
-              dtype: str = "bf16", expandable_segments: bool = False, autocast: bool = False, grad_accumulation: int = 1):
+              dtype: str = "bf16", expandable_segments: bool = False, autocast: bool = False, grad_accumulation: int = 1,
+              lora: dict | None = None):
     """The simulator's step of the same job: plain training, parameters stored in `dtype`, computing in
     it (or, with `autocast`, in bf16 under autocast)."""
     data = reference_scenario(cfg, world_size=1, batch=batch, seq=seq, activation_checkpointing=activation_checkpointing,
@@ -155,6 +159,8 @@ def simulated(cfg: ReferenceConfig, *, batch: int, seq: int, activation_checkpoi
     data["allocator"] = {"expandable_segments": expandable_segments}
     data["fsdp"] = {"version": "none", "mixed_precision": {"param_dtype": "bf16" if autocast else dtype}}
     data["training"]["param_storage_dtype"] = dtype
+    if lora is not None:
+        data["model"] |= lora_keys(**lora)
     return simulate(parse_scenario(data, name="eager-referee"))
 
 

@@ -1,7 +1,8 @@
 """Referee cases for frozen parameters and LoRA: the ReferenceTransformer prepared as peft would leave it.
 
-peft is not a dependency: `LoraLinear` is peft's `lora.Linear` forward written out
-(`result = base_layer(x); result = result + lora_B(lora_A(lora_dropout(x))) * scaling`, the dropout an
+peft is not a dependency: `LoraLinear` is peft's `lora.Linear` forward written out (`result =
+base_layer(x); x = self._cast_input_dtype(x, lora_A.weight.dtype)` (with `input_cast`); `result = result +
+lora_B(lora_A(lora_dropout(x))) * scaling; result = result.to(torch_result_dtype)`, the dropout an
 `nn.Identity` at p = 0), and `prepare` does what `get_peft_model` does to the parameters: every
 parameter but the adapters' `requires_grad_(False)` (`mark_only_lora_as_trainable`, bias="none"),
 the frozen ones in the dtype the base model was loaded in. `LORA_CASES` pairs each tracker case with the
@@ -33,8 +34,9 @@ class CudaDropout(nn.Dropout):
 class LoraLinear(nn.Module):
     """peft's `lora.Linear`: the base Linear, A (r x in) and B (out x r) beside it."""
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float, input_cast: bool = False) -> None:
         super().__init__()
+        self.input_cast = input_cast
         self.base_layer = base
         self.lora_dropout = CudaDropout(dropout) if dropout > 0 else nn.Identity()
         self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=base.weight.device)
@@ -43,18 +45,24 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base_layer(x)
-        return result + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        if self.input_cast and x.dtype != self.lora_A.weight.dtype:  # peft's `_cast_input_dtype`
+            x = x.to(self.lora_A.weight.dtype)
+        return (result + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling).to(result.dtype)
 
 
 def prepare(model: nn.Module, *, targets: tuple[str, ...] = (), rank: int = 8, alpha: float = 16.0,
-            dropout: float = 0.0, frozen: tuple[str, ...] = (), frozen_dtype: str = "bf16") -> None:
+            dropout: float = 0.0, frozen: tuple[str, ...] = (), frozen_dtype: str = "bf16", input_cast: bool = False) -> None:
     """Add adapters beside the block Linears `targets` names (peft's names or "all-linear") and freeze the
-    rest; or, without targets, freeze the parameters whose names start with one of `frozen`."""
+    rest; or, without targets, freeze the parameters whose names start with one of `frozen`. `input_cast`:
+    peft's `_cast_input_dtype` (the plain step under autocast, `eager_referee.py`); off for the FSDP cases,
+    where an FSDP1 adapter unit's weight reads fp32 (its sharded view) when the forward reads its dtype and
+    bf16 (prefetched, unsharded) in a checkpoint's recompute, which torch.utils.checkpoint refuses
+    ("Recomputed values ... have different metadata"): not modelled."""
     for block in getattr(model, "layers", []):
         for parent in (block.attention, block.feed_forward):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear) and ("all-linear" in targets or _OURS.get(name) in targets):
-                    setattr(parent, name, LoraLinear(child, rank, alpha, dropout))
+                    setattr(parent, name, LoraLinear(child, rank, alpha, dropout, input_cast))
     originals = dict(model.named_parameters())  # kept alive, so their ids stay theirs during the swap
     first_name = {id(param): full for full, param in originals.items()}  # a tied one appears once, first name
     replaced: dict[int, nn.Parameter] = {}  # one frozen copy per tensor: a tied weight stays tied

@@ -44,6 +44,8 @@ from fsdp_sim.workload.kernels import elementwise, gemm
 from fsdp_sim.workload.model import Kernel, Module, Param, Workload
 from fsdp_sim.workload.transformer import BLOCK_RECIPE, recipe_activations
 
+PEFT_INPUT_CAST = " peft input cast"  # `_cast_input_dtype`: x.to(lora_A.weight.dtype) (peft_input_casts)
+PEFT_AUTOCAST_CAST = " lora_A autocast cast"  # autocast casting that copy back for lora_A's matmul
 # transformers' Llama / Mistral / Qwen module names -> the workload's (torchtitan's)
 PEFT_NAMES = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w1", "up_proj": "w3",
               "down_proj": "w2"}
@@ -111,18 +113,19 @@ def quantized(wl: Workload, cfg: LoraConfig) -> Workload:
     return replace(wl, modules=tuple(_quantized(m, cfg, p) if m.is_block else m for m in wl.modules))
 
 
-def autograd_view(wl: Workload, requires_grad: frozenset[str]) -> Workload:
+def autograd_view(wl: Workload, requires_grad: frozenset[str], reads_input: frozenset[str] | None = None) -> Workload:
     """`wl` as autograd runs it when the parameters `requires_grad` names need a gradient and no other does,
     whatever is trained: FSDP1 with `use_orig_params=True` gives every view of a FlatParameter that requires
     grad a gradient (`schedule/fsdp1_flat.py`). Re-frozen from the modules before any freezing
     (`frozen.freeze_where` keeps them), then quantized again as `model.lora` asked. A 4-bit base stays
     without a gradient: bitsandbytes' `MatMul4Bit.backward` returns none for it and saves only the codes.
     The parameters keep their flags and dtypes in `wl` (what the optimizer steps); here they only say what
-    autograd computes."""
+    autograd computes. `reads_input`, where given, replaces the Linears whose input an adapter keeps."""
     source = wl.meta.get(UNFROZEN)
     if source is None:
         return wl
-    modules, dtype, reads_input = source
+    modules, dtype, kept = source
+    reads_input = kept if reads_input is None else reads_input
     view = freeze_where(replace(wl, modules=modules), lambda q: q.name not in requires_grad, dtype, reads_input)
     cfg = wl.meta.get(LORA_CONFIG)
     if cfg is not None and cfg.quantize:
@@ -182,6 +185,71 @@ def _with_adapters(m: Module, wanted: set[str], cfg: LoraConfig, p: int, hit: se
     return replace(m, params=tuple(params), kernels=tuple(kernels), saved_bytes=saved, fwd_temp_bytes=temp,
                    nosave_fwd_peak_bytes=nosave, fwd_flops=sum(k.fwd_flops for k in kernels),
                    bwd_flops=sum(k.bwd_flops for k in kernels))
+
+
+def peft_input_casts(wl: Workload, adapter_bytes: int) -> Workload:
+    """`wl` with peft's input cast for adapters stored wider than the activations: `lora.Linear.forward`
+    runs `x = self._cast_input_dtype(x, lora_A.weight.dtype)` (peft `tuners/lora/layer.py`: `x.to(dtype)`
+    when the dtypes differ) after the base layer. Under autocast with fp32 adapters on a bf16 base that is
+    an fp32 copy of the Linear's input, alive until the layer's forward returns; the dropout then runs on
+    it in fp32; lora_A's autocast casts it back and its matmul saves that copy, a new tensor where without
+    the cast it shared the base layer's saved input (with dropout it saved the dropout's output, as large),
+    and an input that only frozen base layers read is no longer kept at all (`autograd_view`). In
+    backward the input gradient goes back through both casts and the dropout: ToCopyBackward gives an fp32
+    gradient, the dropout's backward another, the second ToCopyBackward a compute-dtype one that is added
+    to the base's input gradient. Per adapted Linear of n = tokens x in-features elements:
+    - saved: + n in the compute dtype without dropout (lora_A's own copy); unchanged with it;
+    - forward moment: the fp32 copy, and the dropout's fp32 output with dropout, beside the base output;
+      then the copy beside the base output, the scaled adapter output and the sum (and in a checkpointed
+      block's forward, which saves nothing, the moments `transformer._nosave_peak` adds for them);
+    - backward moment: the two fp32 gradients with dropout (one and the compute-dtype one without), beside
+      the base's input gradient waiting in the input's buffer;
+    - kernels: the two casts each way (read one dtype, write the other), the dropout in fp32.
+    Each moment is a moment of its own in the block: the block keeps the larger of it and its own."""
+    if LORA_CONFIG not in wl.meta:
+        return wl
+    # no adapter reads its base layer's input any more: an input only frozen Linears read is not kept
+    wl = autograd_view(wl, frozenset(p.name for p in wl.params if p.trainable), reads_input=frozenset())
+    p = itemsize(wl.activation_dtype)
+    q = adapter_bytes
+    recipe = wl.meta.get(BLOCK_RECIPE)
+    modules = []
+    for m in wl.modules:
+        adapters = {k.name[:-len(LORA_A)]: k for k in m.kernels if k.name.endswith(LORA_A)}
+        if not adapters:
+            modules.append(m)
+            continue
+        dropouts = {k.name[:-len(LORA_DROPOUT)] for k in m.kernels if k.name.endswith(LORA_DROPOUT)}
+        saved, temp, bwd_temp, kernels = m.saved_bytes, m.fwd_temp_bytes, m.bwd_temp_bytes, []
+        for k in m.kernels:
+            name = k.name[:-len(LORA_DROPOUT)] if k.name.endswith(LORA_DROPOUT) else k.name[:-len(LORA_A)]
+            if name not in adapters or not k.name.endswith((LORA_DROPOUT, LORA_A)):
+                kernels.append(k)
+                continue
+            tok, _, fan_in = adapters[name].shape
+            n, out = tok * fan_in, next(b.shape[1] for b in m.kernels if b.name == name + LORA_B) * tok * p
+            if k.name.endswith(LORA_DROPOUT):  # read x and write the output, fp32 now, and the mask
+                kernels.append(replace(k, bytes=2 * n * q + n, bwd_bytes=2 * n * q + n))
+                continue
+            dropout = name in dropouts
+            if not dropout:
+                kernels.append(elementwise(name + PEFT_INPUT_CAST, n * (p + q), n * (p + q), recompute=k.recompute))
+                saved += n * p
+            kernels += [elementwise(name + PEFT_AUTOCAST_CAST, n * (p + q), n * (p + q), recompute=k.recompute), k]
+            # the copies beside the base output; then the copy beside it, the scaled adapter output and the sum
+            temp = max(temp, n * q * (2 if dropout else 1) + out, n * q + 3 * out)
+            bwd_temp = max(bwd_temp, (2 * n * q if dropout else n * q + n * p) + n * p)
+        # with dropout the input cast comes before it: put it there
+        for name in dropouts & set(adapters):
+            tok, _, fan_in = adapters[name].shape
+            at = next(i for i, k in enumerate(kernels) if k.name == name + LORA_DROPOUT)
+            kernels.insert(at, elementwise(name + PEFT_INPUT_CAST, tok * fan_in * (p + q), tok * fan_in * (p + q),
+                                           recompute=kernels[at].recompute))
+        nosave = recipe_activations(recipe, adapters=frozenset(adapters), adapter_input=(q, bool(dropouts))).nosave_peak \
+            if m.nosave_fwd_peak_bytes and built_from(m, recipe) else m.nosave_fwd_peak_bytes
+        modules.append(replace(m, kernels=tuple(kernels), saved_bytes=saved, fwd_temp_bytes=temp, nosave_fwd_peak_bytes=nosave,
+                               bwd_temp_bytes=bwd_temp, bwd_temp_parts=1 if bwd_temp != m.bwd_temp_bytes else m.bwd_temp_parts))
+    return replace(wl, modules=tuple(modules))
 
 
 def _quantized(m: Module, cfg: LoraConfig, p: int) -> Module:

@@ -216,13 +216,15 @@ class BlockActivations:
 
 def block_activations(d: TransformerDims, b: int, s: int, p: int, norm_tokens: int | None = None, *,
                       frozen: frozenset[str] = frozenset(), unkept: frozenset[str] = frozenset(),
-                      adapters: frozenset[str] = frozenset()) -> BlockActivations:
+                      adapters: frozenset[str] = frozenset(), adapter_input: tuple[int, bool] = (0, False)) -> BlockActivations:
     """Op-by-op list of what a pre-norm block saves; `p` is the activation dtype's size in bytes.
     `norm_tokens`: the rows the norms run on when not all of them (a sequence-parallel rank's 1/k).
     `frozen`: the Linears (wq .. w2) and norms (ffn_norm) whose weights get no gradient, `unkept` the Linears whose input no one
     keeps (`frozen.py` works both out and drops those inputs from `saved`): they move the backward's
     moments (no weight gradient held there; an input never saved is not released there). `adapters`: the
-    Linears with a LoRA adapter beside them (`lora.py`), which move the forward's peak without saves."""
+    Linears with a LoRA adapter beside them (`lora.py`), which move the forward's peak without saves;
+    `adapter_input`: the bytes per element of peft's copy of an adapter's input and whether a dropout
+    follows it (`lora.peft_input_casts`; 0: no copy)."""
     tok = b * s
     norm_tok = tok if norm_tokens is None else norm_tokens
     h, f, a = d.hidden, d.ffn, d.heads
@@ -288,10 +290,11 @@ def block_activations(d: TransformerDims, b: int, s: int, p: int, norm_tokens: i
     attention = 2 * scores + 4 * max(bsh, bsq) + later_grads + norm_tok * h * p - released
     tail = norm_tok * h * p + norm_transients(d, norm_tok, p).bwd + ffn_saves.extra
     return BlockActivations(saved=saved, fwd_temp=fwd_temp, bwd_temp=max(mlp, attention, ffn_norm),
-                            saves_input=norm.keeps_input, bwd_tail=tail, nosave_peak=_nosave_peak(d, tok, p, scores, adapters))
+                            saves_input=norm.keeps_input, bwd_tail=tail, nosave_peak=_nosave_peak(d, tok, p, scores, adapters, adapter_input))
 
 
-def _nosave_peak(d: TransformerDims, tok: int, p: int, scores: int, adapters: frozenset[str] = frozenset()) -> int:
+def _nosave_peak(d: TransformerDims, tok: int, p: int, scores: int, adapters: frozenset[str] = frozenset(),
+                 adapter_input: tuple[int, bool] = (0, False)) -> int:
     """A block's forward peak above its input when autograd saves nothing (a fully checkpointed block: the
     non-reentrant checkpoint drops every tensor autograd would save), its output counted from its
     creation: each tensor lives while the block's code refers to it (torchtitan's and the referee's
@@ -302,10 +305,22 @@ def _nosave_peak(d: TransformerDims, tok: int, p: int, scores: int, adapters: fr
     its GELU); then w2's (the product and its output). Last the block's output (h, the MLP's output).
     A LoRA adapter beside a Linear (`result = base(x); result = result + lora_B(lora_A(x)) * scaling`)
     holds two more tensors of its output's size where the base output lives: the scaled adapter output
-    and the sum, before the base output is dropped."""
+    and the sum, before the base output is dropped. With peft's input copy (`adapter_input`) the copy
+    lives to the layer's end, and before lora_A returns the dropout's output and mask and lora_A's cast of
+    them too."""
     bsh, bsq, bsf = tok * d.hidden * p, tok * d.q_dim * p, tok * d.ffn * p
     bkv = tok * d.kv * d.head_dim * p
-    lora = {name: 2 * out if name in adapters else 0
+    copy_bytes, dropout_after = adapter_input
+
+    def adapter(fan_in: int, out: int) -> int:
+        if not copy_bytes:
+            return 2 * out
+        n = tok * fan_in
+        copy = n * copy_bytes
+        return max(copy + (copy + n if dropout_after else 0) + n * p, copy + 2 * out)
+
+    fan_in = {"wq": d.hidden, "wk": d.hidden, "wv": d.hidden, "wo": d.q_dim, "w1": d.hidden, "w3": d.hidden, "w2": d.ffn}
+    lora = {name: adapter(fan_in[name], out) if name in adapters else 0
             for name, out in (("wq", bsq), ("wk", bkv), ("wv", bkv), ("wo", bsh), ("w1", bsf), ("w3", bsf), ("w2", bsh))}
     # each projection's moment: attention_norm's output, the projections made so far and its own output
     projections = max(bsh + bsq + lora["wq"], bsh + bsq + bkv + lora["wk"], bsh + bsq + 2 * bkv + lora["wv"])
@@ -329,10 +344,11 @@ def block_recipe(d: TransformerDims, b: int, s: int, p: int, norm_tokens: int | 
 
 
 @lru_cache(maxsize=64)
-def _from_recipe(items: tuple, frozen: frozenset[str], unkept: frozenset[str], adapters: frozenset[str]) -> BlockActivations:
+def _from_recipe(items: tuple, frozen: frozenset[str], unkept: frozenset[str], adapters: frozenset[str],
+                 adapter_input: tuple[int, bool] = (0, False)) -> BlockActivations:
     r = dict(items)
     return block_activations(TransformerDims(**dict(r["dims"])), r["micro_batch"], r["seq_len"], r["bytes"],
-                             r["norm_tokens"], frozen=frozen, unkept=unkept, adapters=adapters)
+                             r["norm_tokens"], frozen=frozen, unkept=unkept, adapters=adapters, adapter_input=adapter_input)
 
 
 def _items(recipe: dict) -> tuple:
@@ -341,9 +357,9 @@ def _items(recipe: dict) -> tuple:
 
 
 def recipe_activations(recipe: dict, *, frozen: frozenset[str] = frozenset(), unkept: frozenset[str] = frozenset(),
-                       adapters: frozenset[str] = frozenset()) -> BlockActivations:
+                       adapters: frozenset[str] = frozenset(), adapter_input: tuple[int, bool] = (0, False)) -> BlockActivations:
     """`block_activations` of a `block_recipe` (remembered: every block of a model shares it)."""
-    return _from_recipe(_items(recipe), frozen, unkept, adapters)
+    return _from_recipe(_items(recipe), frozen, unkept, adapters, adapter_input)
 
 
 @lru_cache(maxsize=64)
