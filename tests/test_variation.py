@@ -87,3 +87,15 @@ def test_the_largest_spread_on_the_largest_mesh_still_runs():
 
     factor = slowest_rank_factor(MAX_NODES * MAX_GPUS_PER_NODE, MAX_SPREAD)
     assert 1 < factor < 10
+
+
+@pytest.mark.parametrize("n", [2, 3, 8, 9, 64, 65, 100, 512, 1000, 1024, 4096, 8191, 65536])
+def test_the_power_worked_out_above_its_underflow_is_the_whole_grids(n):
+    """`expected_max_of_normals` skips the powers of Phi that underflow to 0: to the last bit what the
+    integrand with the power over the whole grid gives."""
+    from fsdp_sim.hardware.variation import _normal_grid
+    x, phi, cdf = _normal_grid()
+    y = x * n * phi * cdf ** (n - 1)
+    whole = float(np.sum((y[1:] + y[:-1]) * np.diff(x)) / 2)
+    expected_max_of_normals.cache_clear()
+    assert expected_max_of_normals(n) == whole
