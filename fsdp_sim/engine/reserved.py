@@ -67,6 +67,7 @@ class StepPlan:
     # request's `round_size` and `get_pool` worked out once (`CachingAllocator.play`'s events)
     kept: frozenset[int]  # the persistent buffers: alive across steps
     period: float  # one step's time
+    deltas: np.ndarray  # each event's signed bytes (the ledger's column)
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +194,8 @@ def step_plan(ops, events: MemoryEvents, persistent, issued: np.ndarray, end: np
     n = len(plan)
     lazy_at = int(np.searchsorted(events.op_ids, optimizer_from)) if lazy else n  # op ids rise with the events
     return StepPlan(config, [(b.id, b.nbytes) for b in persistent if b.id not in late], lazy, lazy_at,
-                    plan[lazy_at][4] if lazy_at < n else period, plan, frozenset(b.id for b in persistent), period)
+                    plan[lazy_at][4] if lazy_at < n else period, plan, frozenset(b.id for b in persistent), period,
+                    events.deltas)
 
 
 def _start(plan: StepPlan, alloc: CachingAllocator) -> dict:
@@ -348,7 +350,7 @@ def _first_step_peak(plan: StepPlan) -> tuple[int, int]:
     """Peak allocated of the first step and its row: the optimizer states count from their creation."""
     allocated = np.empty(len(plan.events) + 1, dtype=np.int64)
     allocated[0] = sum(n for _, n in plan.persistent)
-    np.cumsum(np.fromiter((e[1] for e in plan.events), dtype=np.int64, count=len(plan.events)), out=allocated[1:])
+    np.cumsum(plan.deltas, out=allocated[1:])
     allocated[1:] += allocated[0]
     allocated[plan.lazy_at + 1:] += sum(n for _, n in plan.lazy)
     row = int(np.argmax(allocated))
