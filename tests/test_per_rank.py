@@ -4,6 +4,7 @@ what its compute-bound time says, a seed gives the same bytes, and bad `variatio
 
 from __future__ import annotations
 
+import html
 import json
 import math
 from dataclasses import replace
@@ -36,8 +37,14 @@ def test_every_gpu_alike_is_the_default_mode(name):
     r, d = simulate_ranks(sc, traced=()), _simulate(sc)
     assert r.step_time_s == pytest.approx(d.step_time_s, rel=1e-12)
     assert np.allclose(r.ranks.end, d.step_time_s, rtol=1e-12, atol=0)
-    assert not r.ranks.collective_wait_s.any() and not r.ranks.held_back_s.any() and r.attribution() == []
-    assert np.allclose(r.exposed_per_rank(), d.exposed_communication()[0], rtol=1e-9, atol=1e-12)
+    a = r.activity()
+    assert not a.waiting_s.any() and not a.stalled_s.any() and not r.ranks.held_back_s.any() and r.attribution() == []
+    assert np.allclose(a.exposed_s, d.exposed_communication()[0], rtol=1e-9, atol=1e-12)
+    # one answer: the per-rank compute and communication sections are the default mode's
+    for got, want in ((r.compute(), d.compute()), (r.communication(), d.communication())):
+        assert got.keys() == want.keys()
+        for k, v in want.items():
+            assert got[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
 
 
 def test_one_rank_at_90_percent_slows_a_compute_bound_step_by_its_compute_share():
@@ -62,6 +69,28 @@ def test_one_rank_at_90_percent_slows_a_compute_bound_step_by_its_compute_share(
     assert {c["rank"] for c in delayed} == {3} and sum(c["held_back_s"] for c in delayed) == pytest.approx(
         d["ranks"][3]["held_back_s"], rel=1e-12)
     assert d["ranks"][3]["collective_wait_s"] == 0 and all(x["collective_wait_s"] > 0 for x in d["ranks"] if x["rank"] != 3)
+    assert d["ranks"][3]["stalled_s"] == 0  # nobody to wait for
+
+
+def test_a_ranks_step_is_its_compute_exposed_communication_stall_and_the_rest():
+    """Llama 3 8B on 32 H100 with a 2.6 % spread: per rank busy + exposed + stalled never passes its step,
+    and the rest (the CPU, copies) is small; the waits for the group's last rank run mostly beside compute
+    (prefetched), so the stall is a part of the wait; the summary, the JSON's compute and communication
+    sections and the per_rank section give one figure each (the mean over the ranks)."""
+    r = simulate_ranks(parse_scenario(_llama3_8b(32, {"gpu_speed_spread": 0.026})), traced=())
+    a, d = r.activity(), r.to_dict()
+    parts = a.busy_s + a.exposed_s + a.stalled_s
+    assert (parts <= r.ranks.end + 1e-9).all() and (r.ranks.end - parts < 0.01 * r.ranks.end).all()
+    assert (a.stalled_s <= a.waiting_s + 1e-12).all() and a.waiting_s.mean() > 2 * a.stalled_s.mean()
+    p = d["per_rank"]
+    assert d["communication"]["exposed_s"] == p["exposed_communication_s"]["mean"] == pytest.approx(a.exposed_s.mean())
+    assert d["compute"]["busy_s"] == p["compute_busy_s"]["mean"]
+    assert sum(d["communication"]["exposed_by_collective_s"].values()) >= d["communication"]["exposed_s"] - 1e-12
+    br = d["compute"]["breakdown"]  # the classes still add up to the (mean) busy time
+    assert br["matmul_s"] + br["attention_s"] + br["memory_bound_s"] + br["interference_s"] == pytest.approx(
+        d["compute"]["busy_s"], rel=1e-3)
+    for row, key in ((d["ranks"][5], "compute_busy_s"), (d["ranks"][5], "stalled_s")):
+        assert row[key] == float(getattr(a, key.removeprefix("compute_"))[5])
 
 
 def test_a_slow_node_is_its_ranks():
@@ -122,8 +151,8 @@ def test_the_same_seed_gives_the_same_bytes(tmp_path, capsys):
 
 def test_the_json_summary_and_trace_say_who_held_the_step_back(tmp_path, capsys):
     path = _write(tmp_path, _llama3_8b(32, {"gpu_speed_spread": 0.01, "stragglers": [{"rank": 17, "speed": 0.9}]}))
-    rc, out, _ = _cli(["run", path, "--per-rank", "--json", str(tmp_path / "r.json"), "--trace", str(tmp_path / "t.json")],
-                      capsys)
+    rc, out, _ = _cli(["run", path, "--per-rank", "--json", str(tmp_path / "r.json"), "--trace", str(tmp_path / "t.json"),
+                       "--html", str(tmp_path / "r.html")], capsys)
     assert rc == 0
     d = json.loads((tmp_path / "r.json").read_text())
     assert len(d["ranks"]) == 32 and [x["rank"] for x in d["ranks"]] == list(range(32))
@@ -132,6 +161,20 @@ def test_the_json_summary_and_trace_say_who_held_the_step_back(tmp_path, capsys)
     top = d["per_rank"]["attribution"][0]
     assert top["rank"] == 17 and top["cost_s"] > 0
     assert "held back by       rank 17 (speed" in out and "cost the step" in out
+    # each figure once, labelled whose it is: the summary prints the JSON's
+    from fsdp_sim.results.report import fmt_time
+
+    p = d["per_rank"]
+    assert (f"{fmt_time(d['communication']['exposed_s'])} exposed a rank (mean of 32 ranks; most "
+            f"{fmt_time(p['exposed_communication_s']['max'])})") in out
+    assert f"{fmt_time(d['compute']['busy_s'])} a rank (mean of 32 ranks" in out
+    assert (f"for the group's last rank {fmt_time(p['collective_wait_s']['mean'])} a rank: "
+            f"{fmt_time(p['stalled_s']['mean'])} of it stalls the compute stream") in out
+    assert "in collectives for the group's last rank" not in out
+    page = (tmp_path / "r.html").read_text()  # the report's summary is the terminal's, its table the JSON's
+    assert html.escape(out.rstrip("\n")) in page
+    assert (f"<td>stalled for the group&#x27;s last rank</td><td data-v=\"{p['stalled_s']['mean']}\">"
+            f"{fmt_time(p['stalled_s']['mean'])}</td>") in page
     trace = json.loads((tmp_path / "t.json").read_text())
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
     assert set(names) == {0, 17, d["per_rank"]["fastest_rank"]} and "slowest" in names[17]

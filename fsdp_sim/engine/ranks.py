@@ -35,20 +35,21 @@ _COLLECTIVE = frozenset(COLLECTIVES)
 
 @dataclass(slots=True)
 class RankTiming:
-    """What every rank did: per rank (arrays over ranks) its step time (its last op's end), the seconds
-    its collectives waited after it was ready for the last rank of their group, the seconds by which it,
-    arriving last, held its groups' collectives back past the second-last arrival, and at how many
+    """What every rank did: per rank (arrays over ranks) its step time (its last op's end), the seconds by
+    which it, arriving last, held its groups' collectives back past the second-last arrival, and at how many
     collectives it did so; per collective that some rank held back, (op id, the rank with the longest lead
-    over its group's second-last, that lead); the start and end of the `keep` ops (rows) on every rank (columns); and the full
-    `Timing` of each traced rank."""
+    over its group's second-last, that lead); the start and end of the `keep` ops (rows) on every rank
+    (columns), and for the kept collectives (rows, in `keep`'s order) the time each rank was ready to start
+    it (its stream, lane, events and CPU done: from then until its start it waits for its group's last
+    rank); and the full `Timing` of each traced rank."""
 
     end: np.ndarray
-    collective_wait_s: np.ndarray
     held_back_s: np.ndarray
     held_back_count: np.ndarray
     delays: list[tuple[int, int, float]]
     kept_start: np.ndarray
     kept_end: np.ndarray
+    kept_ready: np.ndarray
     traced: dict[int, Timing]
 
 
@@ -98,10 +99,12 @@ def play_ranks(ops: list, timing: Timing, *, host_s: np.ndarray, work_s: np.ndar
     free: dict[str, np.ndarray] = {}  # stream -> when every rank's stream is done with its last op
     issued_last: dict[str, float | np.ndarray] = {}  # stream -> the issue time of its last op (skipped ops)
     lanes: dict[str, np.ndarray] = {}  # process group -> when its last collective ended
-    wait, held, count = np.zeros(n_ranks), np.zeros(n_ranks), np.zeros(n_ranks, dtype=np.int64)
+    held, count = np.zeros(n_ranks), np.zeros(n_ranks, dtype=np.int64)
     delays: list[tuple[int, int, float]] = []
     row = {int(i): k for k, i in enumerate(keep)}
     kept_start, kept_end = np.empty((len(keep), n_ranks)), np.empty((len(keep), n_ranks))
+    ready_row = {i: k for k, i in enumerate(i for i in row if ops[i].kind in _COLLECTIVE)}
+    kept_ready = np.empty((len(ready_row), n_ranks))
     t_idx = np.array(traced, dtype=np.intp)
     t_start, t_end = np.empty((len(ops), len(traced))), np.empty((len(ops), len(traced)))
     t_issued = np.empty((len(ops), len(traced)))
@@ -142,7 +145,8 @@ def play_ranks(ops: list, timing: Timing, *, host_s: np.ndarray, work_s: np.ndar
                     delays.append((i, worst, longest))
             else:
                 start = ready
-            wait += start - ready
+            if i in ready_row:
+                kept_ready[ready_row[i]] = ready
             end = r_end[i] + (start - r_start[i])
             lanes[op.group] = end
         elif timed:
@@ -167,4 +171,4 @@ def play_ranks(ops: list, timing: Timing, *, host_s: np.ndarray, work_s: np.ndar
     for last in issued_last.values():
         step = np.maximum(step, last)
     timings = {r: Timing(t_start[:, k].copy(), t_end[:, k].copy(), t_issued[:, k].copy()) for k, r in enumerate(traced)}
-    return RankTiming(step, wait, held, count, delays, kept_start, kept_end, timings)
+    return RankTiming(step, held, count, delays, kept_start, kept_end, kept_ready, timings)

@@ -124,16 +124,22 @@ def run_report(result: StepResult, data: dict | None = None) -> str:
              for k, v in comp["breakdown"].items()]
     times.append(["exposed communication", (fmt_time(d["communication"]["exposed_s"]), d["communication"]["exposed_s"]),
                   _share(d["communication"]["exposed_s"], d["step_time_s"])])
+    p = d.get("per_rank")  # run --per-rank: the mean rank's, and its stall for the group's last rank beside them
+    if p:
+        stall = p["stalled_s"]["mean"]
+        times.append(["stalled for the group's last rank", (fmt_time(stall), stall), _share(stall, d["step_time_s"])])
+    whose = f" Each a rank's, the mean of {p['ranks']} ranks; shares of the slowest rank's step." if p else ""
+    played = " The representative rank at the mean speed (--trace draws each rank)." if p else ""
     sections = [
         f"<h2>Summary</h2><pre>{escape(summary(d))}</pre>",
         "<h2>Memory over the step</h2><p>Stacked by category (hover for the values at a time); the dark line "
         "is reserved memory; shading: forward, backward, optimizer.</p>" + svg.timeline(result, mem),
-        "<h2>Streams</h2><p>Each op a bar by phase (hover for its name and times).</p>" + svg.gantt(result),
+        "<h2>Streams</h2><p>Each op a bar by phase (hover for its name and times)." + played + "</p>" + svg.gantt(result),
         "<h2>Breakdown at the peak</h2>" + _table(["category", "bytes", "share"], cats)
         + _table(["beside allocated", "bytes"], over) + "<h3>Largest live buffers</h3>"
         + _table(["buffer", "category", "bytes"], live),
         "<h2>Where the time goes</h2><p>The compute stream's kernels alone on the GPU by class, what running "
-        "beside NCCL added, the time it waited for the CPU, and communication compute did not hide.</p>"
+        "beside NCCL added, the time it waited for the CPU, and communication compute did not hide." + whose + "</p>"
         + _table(["", "time", "of the step"], times),
     ]
     return _page(f"fsdp-sim: {d['scenario']}", sections)

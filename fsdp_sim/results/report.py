@@ -94,15 +94,16 @@ def summary(d: dict) -> str:
            f"{comp['folded']['micro_batches_simulated']}: each middle one adds {fmt_time(comp['folded']['middle_micro_batch_s'])}"]
           if "folded" in comp else []),
         *per_rank_lines(d),
-        f"Compute busy         {fmt_time(comp['busy_s'])}   MFU {100 * comp['mfu']:.1f} %",
+        f"Compute busy         {fmt_time(comp['busy_s'])}{ranks_of(d, 'compute_busy_s')}   MFU {100 * comp['mfu']:.1f} %",
         f"  alone on the GPU   matmul {fmt_time(br['matmul_s'])}, attention {fmt_time(br['attention_s'])}, "
         f"memory-bound {fmt_time(br['memory_bound_s'])}",
         f"  slowed by NCCL     {fmt_time(br['interference_s'])}; waiting for the CPU (launch-bound) "
         f"{fmt_time(br['cpu_bound_s'])}",
-        f"Communication        {fmt_time(comm['total_s'])} total, {fmt_time(comm['exposed_s'])} exposed, "
-        f"overlap {100 * comm['overlap_fraction']:.1f} %",
+        f"Communication        {fmt_time(comm['total_s'])} total, {fmt_time(comm['exposed_s'])} exposed"
+        f"{ranks_of(d, 'exposed_communication_s')}, overlap {100 * comm['overlap_fraction']:.1f} %",
         "  exposed            " + ", ".join(f"{k.replace('_', '-')} {fmt_time(v)}"
                                           for k, v in comm["exposed_by_collective_s"].items() if v or k != "all_reduce"),
+        *waiting_lines(d),
         f"  per rank moved     all-gather {fmt_bytes(comm['all_gather_bytes'])}, "
         f"reduce-scatter {fmt_bytes(comm['reduce_scatter_bytes'])}"
         + (f", all-reduce {fmt_bytes(comm['all_reduce_bytes'])}" if comm["all_reduce_bytes"] else ""),
@@ -176,14 +177,30 @@ def per_rank_lines(d: dict) -> list[str]:
         f"(speed {speed[p['slowest_rank']]:.3f}) ends at {fmt_time(p['step_time_s']['slowest'])}, fastest rank "
         f"{p['fastest_rank']} (speed {speed[p['fastest_rank']]:.3f}) at {fmt_time(p['step_time_s']['fastest'])}; "
         f"every rank at the mean speed {fmt_time(p['representative_step_time_s'])}",
-        f"  waiting            in collectives for the group's last rank {fmt_time(p['collective_wait_s']['mean'])} a rank "
-        f"(most {fmt_time(p['collective_wait_s']['max'])}); exposed communication "
-        f"{fmt_time(p['exposed_communication_s']['mean'])} a rank (most {fmt_time(p['exposed_communication_s']['max'])})",
     ]
     for a in p["attribution"]:
         lines.append(f"  held back by       rank {a['rank']} (speed {a['speed']:.3f}) cost the step {fmt_time(a['cost_s'])}: "
                      f"last to arrive at {a['collectives']} collectives")
     return lines
+
+
+def ranks_of(d: dict, key: str) -> str:
+    """With `--per-rank`, whose figure the compute or communication line gives: a rank's, the mean over the
+    ranks, and the most any rank had (`per_rank[key]`); nothing without."""
+    p = d.get("per_rank")
+    return f" a rank (mean of {p['ranks']} ranks; most {fmt_time(p[key]['max'])})" if p else ""
+
+
+def waiting_lines(d: dict) -> list[str]:
+    """With `--per-rank`, how long a rank's collectives wait for their group's last rank, split into what
+    stalls its compute stream and what runs beside its kernels or transfers (results/ranks.RankActivity)."""
+    p = d.get("per_rank")
+    if p is None:
+        return []
+    wait, stall = p["collective_wait_s"]["mean"], p["stalled_s"]["mean"]
+    return [f"  waiting            for the group's last rank {fmt_time(wait)} a rank: {fmt_time(stall)} of it stalls the "
+            f"compute stream (most {fmt_time(p['stalled_s']['max'])}), {fmt_time(max(0.0, wait - stall))} beside its "
+            "kernels or transfers"]
 
 
 def host_lines(d: dict) -> list[str]:
