@@ -118,7 +118,8 @@ def kept_ops(result: StepResult) -> tuple[np.ndarray, int]:
 @dataclass(slots=True)
 class PerRankResult(StepResult):
     """`StepResult` of the representative rank played at the mean speed (`graph`, `timing`, `memory`), with
-    every rank replayed (`ranks`, engine/ranks.py) at `speeds`."""
+    every rank replayed (`ranks`, engine/ranks.py) at `speeds`: the step time is the slowest rank's, the
+    compute and communication figures the ranks' mean (`activity`), the memory the representative rank's."""
 
     ranks: RankTiming | None = None
     speeds: np.ndarray | None = None
