@@ -21,7 +21,7 @@ from fsdp_sim.hardware.fabric import LAYOUTS, NETWORK_SCALARS, Network, check_ne
 from fsdp_sim.hardware.kernels import SDPA_BACKENDS, ComputeOptions
 from fsdp_sim.hardware.profiles import Cluster, load_profile
 from fsdp_sim.hardware.software import rms_norm_kernel
-from fsdp_sim.hardware.variation import LinkFault, Variation, parse_links, parse_variation
+from fsdp_sim.hardware.variation import LinkFault, Variation, parse_variation
 from fsdp_sim.schedule.clipping import DEFAULT_MAX_NORM
 from fsdp_sim.schedule.optimizers import IMPLEMENTATIONS, OPTIMIZERS, check_optimizer
 from fsdp_sim.schedule.offload import host_memory_key, offload_keys
@@ -59,12 +59,16 @@ class Scenario:
     compute: ComputeOptions = ComputeOptions()
     allocator: AllocatorConfig = AllocatorConfig()  # PYTORCH_CUDA_ALLOC_CONF (engine/allocator.py)
     zero_stage: int | None = None  # fsdp.zero_stage, when the strategy was given in DeepSpeed's words
-    variation: Variation = Variation()  # the `variation:` section (hardware/variation.py)
-    link_faults: tuple[LinkFault, ...] = ()  # variation.links: NICs slow or down (hardware/variation.py)
+    variation: Variation = Variation()  # the `variation:` section, NIC faults too (hardware/variation.py)
 
     @property
     def gpu_speed_spread(self) -> float:
         return self.variation.spread
+
+    @property
+    def link_faults(self) -> tuple[LinkFault, ...]:
+        """variation.links: NICs slow or down (hardware/variation.py)."""
+        return self.variation.links
 
 
 _DIM_KEYS = {f.name for f in fields(TransformerDims)}
@@ -435,8 +439,8 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     return Scenario(name=_name(data, name), workload=workload, units=units, cluster=cluster,
                     settings=settings, wrap=wrap, sharding_strategy=strategy, safety_margin=margin, compute=options,
                     allocator=allocator_config(expect_mapping("allocator", data.get("allocator"))), zero_stage=zero_stage,
-                    variation=parse_variation(data.get("variation"), cluster.world_size, cluster.nodes),
-                    link_faults=parse_links(data.get("variation"), cluster.nodes, cluster.fabric.network.nics_per_node))
+                    variation=parse_variation(data.get("variation"), cluster.world_size, cluster.nodes,
+                                              cluster.fabric.network.nics_per_node))
 
 
 def load_scenario(path: str | Path) -> Scenario:

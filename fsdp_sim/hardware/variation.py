@@ -92,15 +92,27 @@ def paced_profile(gpu, factor: float):
 
 
 @dataclass(frozen=True, slots=True)
+class LinkFault:
+    """NIC `nic` of node `node` at `bandwidth` of its goodput: 0 down (NCCL routes over the node's other NICs,
+    PXN relaying over NVLink), between 0 and 1 a NIC that trained at a lower speed or drops packets."""
+
+    node: int
+    nic: int
+    bandwidth: float
+
+
+@dataclass(frozen=True, slots=True)
 class Variation:
-    """The scenario's `variation:` section: the spread of per-GPU compute-bound rate, the seed of per-rank
-    draws (`--per-rank`), and named slow ranks and nodes, as (index, speed) pairs: speed is the rank's
-    compute-bound rate relative to the mean GPU's, before its own draw."""
+    """The scenario's `variation:` section, all of it in one place: the spread of per-GPU compute-bound
+    rate, the seed of per-rank draws (`--per-rank`), named slow ranks and nodes, as (index, speed) pairs
+    (speed is the rank's compute-bound rate relative to the mean GPU's, before its own draw), and NICs slow
+    or down (`links`, which the graph pricing reads: hardware/graph_pricing.py)."""
 
     spread: float = DEFAULT_SPREAD
     seed: int = 0
     stragglers: tuple[tuple[int, float], ...] = ()
     nodes: tuple[tuple[int, float], ...] = ()
+    links: tuple[LinkFault, ...] = ()
 
     def slowest_named(self) -> float:
         """The slowest speed a named straggler or node is given (1.0: none named)."""
@@ -137,10 +149,11 @@ def rank_speeds(variation: Variation, world_size: int, gpus_per_node: int) -> np
 MAX_SPEED = 1.5
 
 
-def parse_variation(raw, world_size: int = 1, nodes: int = 1) -> Variation:
-    """`variation: {gpu_speed_spread: sigma, seed: n, stragglers: [{rank, speed}], nodes: [{node, speed}]}`:
-    the relative standard deviation of per-GPU sustained compute rate (default DEFAULT_SPREAD; 0: every GPU
-    alike, no cost of scale), the seed of `--per-rank`'s draws, and ranks or nodes named slow (or fast)."""
+def parse_variation(raw, world_size: int = 1, nodes: int = 1, nics_per_node: int = 1) -> Variation:
+    """`variation: {gpu_speed_spread: sigma, seed: n, stragglers: [{rank, speed}], nodes: [{node, speed}],
+    links: [{node, nic, bandwidth}]}`: the relative standard deviation of per-GPU sustained compute rate
+    (default DEFAULT_SPREAD; 0: every GPU alike, no cost of scale), the seed of `--per-rank`'s draws, ranks
+    or nodes named slow (or fast), and NICs slow or down (`parse_links`)."""
     raw = expect_mapping("variation", raw)
     reject_unknown_keys("variation", raw, {"gpu_speed_spread", "seed", "stragglers", "nodes", "links"})
     spread = get_key("variation", raw, "gpu_speed_spread", float, DEFAULT_SPREAD, maximum=MAX_SPREAD)
@@ -149,7 +162,8 @@ def parse_variation(raw, world_size: int = 1, nodes: int = 1) -> Variation:
     seed = get_key("variation", raw, "seed", int, 0, maximum=2**63 - 1)
     if seed < 0:
         raise ScenarioError(f"variation.seed: {seed} must be zero or more")
-    return Variation(spread, seed, _named(raw, "stragglers", "rank", world_size), _named(raw, "nodes", "node", nodes))
+    return Variation(spread, seed, _named(raw, "stragglers", "rank", world_size), _named(raw, "nodes", "node", nodes),
+                     parse_links(raw, nodes, nics_per_node))
 
 
 def _named(raw: dict, key: str, index: str, count: int) -> tuple[tuple[int, float], ...]:
@@ -173,17 +187,6 @@ def _named(raw: dict, key: str, index: str, count: int) -> tuple[tuple[int, floa
                                 "rate relative to the mean GPU's")
         out[i] = speed
     return tuple(sorted(out.items()))
-
-
-# ---- variation.links: NICs at a fraction of their rate, or down -------------------------------------
-@dataclass(frozen=True, slots=True)
-class LinkFault:
-    """NIC `nic` of node `node` at `bandwidth` of its goodput: 0 down (NCCL routes over the node's other NICs,
-    PXN relaying over NVLink), between 0 and 1 a NIC that trained at a lower speed or drops packets."""
-
-    node: int
-    nic: int
-    bandwidth: float
 
 
 def parse_links(raw, nodes: int, nics_per_node: int) -> tuple[LinkFault, ...]:
