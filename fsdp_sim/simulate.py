@@ -28,7 +28,7 @@ def simulate(scenario: Scenario) -> StepResult:
     two, three = (_simulate(replace(scenario, settings=replace(scenario.settings, grad_accumulation=k)))
                   for k in (FOLDED_MICRO_BATCHES - 1, FOLDED_MICRO_BATCHES))
     return FoldedResult(scenario, three.graph, three.timing, three.memory, three.alone_s, three.alone_duration,
-                        twin=two, micro_batches=n)
+                        three.collective_pricing, twin=two, micro_batches=n)
 
 
 def _simulate(scenario: Scenario) -> StepResult:
@@ -45,7 +45,7 @@ def _simulate(scenario: Scenario) -> StepResult:
         layout = graph.derived("queues", lambda: queue_layout(graph.ops))  # one per build (a sweep's twins share it)
         timing = play(graph.ops, costs.duration, host_s=costs.host_s, slowdowns=costs.slowdowns, layout=layout)
         memory = replay(graph, timing.start, timing.issued, timing.end, scenario.allocator)
-        return StepResult(scenario, graph, timing, memory, costs.times, costs.duration)
+        return StepResult(scenario, graph, timing, memory, costs.times, costs.duration, costs.pricing())
     finally:
         if paused:
             gc.enable()
@@ -114,7 +114,8 @@ def simulate_ranks(scenario: Scenario, traced: tuple[int, ...] | None = None):
         if op.kind == "compute" or op.kind == "copy":
             t = costs.times(op)
             work[i] = t.matmul + t.attention  # compute-bound: at the rank's rate (memory-bound: HBM's, unspread)
-    result = PerRankResult(scenario, graph, timing, memory, costs.times, costs.duration, speeds=speeds)
+    result = PerRankResult(scenario, graph, timing, memory, costs.times, costs.duration, costs.pricing(),
+                           speeds=speeds)
     keep, result.kernels = kept_ops(result)
     args = dict(host_s=host, work_s=work, slowness=1.0 / speeds - 1.0, groups=rank_groups(scenario.settings), keep=keep)
     result.ranks = play_ranks(graph.ops, timing, **args)

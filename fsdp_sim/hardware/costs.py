@@ -71,6 +71,10 @@ class OpCosts:
         self._classes: dict[int, tuple] = {}  # by op id: `_rate_class`
         self._mixes: dict[tuple, list[float]] = {}  # `slowdowns` by the running ops' classes, in order
 
+    def pricing(self) -> dict | None:
+        """How the collectives were priced, for the JSON (`GraphPricing.facts`); None: the closed forms."""
+        return self.graph.facts() if self.graph is not None else None
+
     def times(self, op: Op) -> KernelTimes:
         """GPU time by class of a compute-stream op run alone; a host copy there (save_on_cpu) is memory-bound."""
         if op.group in HOST_GROUPS:

@@ -118,6 +118,17 @@ class GraphPricing:
         self._alone: dict[Entry, float] = {}
         self._shared: dict[tuple[Entry, ...], tuple[float, ...] | None] = {}
 
+    def facts(self) -> dict:
+        """What the JSON's `hardware.collective_pricing` says: priced on the topology graph, because of what
+        (`oversubscription` above 1, `nic_faults`: a NIC below its rate; none when a caller asked for the graph),
+        the switches' layout as laid, and the process groups the graph prices (the others: closed forms)."""
+        g = self.graph.graph
+        faulted = any(f is not None and f < 1.0 for _, f in self.graph.nodes(data="bandwidth_fraction"))
+        because = ["oversubscription"] * (g["oversubscription"] > 1.0) + ["nic_faults"] * faulted
+        return {"priced_on": "topology graph", "because": because, "topology": g["topology"],
+                "nodes_per_leaf": g["nodes_per_leaf"], "spines": g["spines"], "oversubscription": g["oversubscription"],
+                "groups": sorted(name for name in self.groups if self.priced(name))}
+
     def priced(self, name: str) -> bool:
         """Whether the graph prices this group (it spans nodes and tiles the cluster)."""
         return self.groups[name].nodes > 1 and self._layouts.get(name) is not None

@@ -136,6 +136,8 @@ def build_topology(cluster: Cluster, *, topology: str | None = None, spines: int
         graph.add_edge(leaf, nic, kind="nic_uplink", bandwidth_Bps=nic_Bps, latency_s=0.0)
         down[leaf] = down.get(leaf, 0.0) + nic_Bps
     spines = spines or max(1, math.floor(leaves * SPINES_PER_LEAF))
+    # the layout as laid, defaults resolved: what the JSON says collectives were priced on (graph_pricing.facts)
+    graph.graph.update(nodes_per_leaf=per_leaf, spines=spines, oversubscription=net.oversubscription)
     for s in range(spines):
         spine = f"spine{s}"
         graph.add_node(spine, kind="spine", index=s)

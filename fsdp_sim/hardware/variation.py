@@ -118,6 +118,36 @@ class Variation:
         """The slowest speed a named straggler or node is given (1.0: none named)."""
         return min([speed for _, speed in self.stragglers + self.nodes] + [1.0])
 
+    def named(self) -> dict:
+        """What the scenario names, for the JSON (`hardware.variation`): each non-empty list of stragglers,
+        slow nodes and NICs slow or down, in the keys of `variation:`."""
+        out = {"stragglers": [{"rank": r, "speed": s} for r, s in self.stragglers],
+               "nodes": [{"node": n, "speed": s} for n, s in self.nodes],
+               "links": [{"node": f.node, "nic": f.nic, "bandwidth": f.bandwidth} for f in self.links]}
+        return {key: items for key, items in out.items() if items}
+
+
+def paced_by(variation: Variation, world_size: int) -> str:
+    """What sets the default mode's compute pace (`pace_factor`): "rank r" or "node n", the slowest named,
+    when it is slower than the spread's expected slowest rank; else "spread"."""
+    named = [(s, 0, f"rank {r}") for r, s in variation.stragglers] + [(s, 1, f"node {n}") for n, s in variation.nodes]
+    if not named or 1.0 / min(named)[0] <= slowest_rank_factor(world_size, variation.spread):
+        return "spread"
+    return min(named)[2]
+
+
+def weakest_nic_node(links: tuple[LinkFault, ...], nics_per_node: int) -> dict | None:
+    """The node whose NICs keep the least of their summed rate: a ring across nodes runs through every node,
+    so the node left with the least sets the pace of its inter-node hops (the graph prices it exactly:
+    hardware/graph_pricing.py). None when no NIC is below its rate."""
+    lost: dict[int, float] = {}
+    for f in links:
+        lost[f.node] = lost.get(f.node, 0.0) + (1.0 - f.bandwidth)
+    if not any(lost.values()):
+        return None
+    node = min(lost, key=lambda k: (-lost[k], k))
+    return {"node": node, "nic_sum_fraction": 1.0 - lost[node] / nics_per_node}
+
 
 def pace_factor(variation: Variation, world_size: int) -> float:
     """How much longer the default mode's representative rank takes over compute-bound work: the slowest

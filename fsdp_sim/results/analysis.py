@@ -18,7 +18,7 @@ from fsdp_sim.engine.reserved import CappedReplay
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.hardware.kernels import KernelTimes, select_sdpa_backend
 from fsdp_sim.hardware.software import nccl_buffer_bytes, nccl_version, stack
-from fsdp_sim.hardware.variation import pace_factor
+from fsdp_sim.hardware.variation import pace_factor, paced_by, weakest_nic_node
 from fsdp_sim.scenario import Scenario
 from fsdp_sim.schedule.ops import CATEGORIES, COLLECTIVES, Op, OpGraph
 from fsdp_sim.schedule.settings import post_forward_group
@@ -98,6 +98,7 @@ class StepResult:
     memory: MemoryTrace
     alone_s: Callable[[Op], KernelTimes]  # a compute-stream op's GPU time by class when it runs alone
     alone_duration: Callable[[Op], float]  # any timed op's duration alone (no interference)
+    collective_pricing: dict | None = None  # priced on the topology graph (OpCosts.pricing); None: closed forms
     _activity_cache: tuple | None = field(default=None, init=False, repr=False)
 
     # ---- time ------------------------------------------------------------------------
@@ -175,6 +176,21 @@ class StepResult:
     def pace_factor(self) -> float:
         """The factor the representative rank's compute-bound kernels were slowed by (hardware/variation.py)."""
         return pace_factor(self.scenario.variation, self.scenario.cluster.world_size)
+
+    def variation_facts(self) -> dict:
+        """The `hardware` keys on variation and faults, each only when it applies (a plain scenario's JSON is
+        unchanged): `paced_by`, what sets the paced compute (a named rank or node, or the spread); `variation`,
+        the stragglers, slow nodes and NICs named, with the node whose NICs keep the least; and
+        `collective_pricing`, present when the topology graph priced the collectives (absent: closed forms)."""
+        sc = self.scenario
+        var, world = sc.variation, sc.cluster.world_size
+        named = var.named()
+        if var.links:
+            weakest = weakest_nic_node(var.links, sc.cluster.fabric.network.nics_per_node)
+            named |= {"weakest_nic_node": weakest} if weakest else {}
+        return ({"paced_by": paced_by(var, world)} if (var.stragglers or var.nodes) and self.pace_factor() != 1 else {}) \
+            | ({"variation": named} if named else {}) \
+            | ({"collective_pricing": self.collective_pricing} if self.collective_pricing else {})
 
     def _model_flops(self) -> float:
         return self.scenario.workload.model_flops * self.scenario.settings.grad_accumulation
@@ -357,7 +373,8 @@ class StepResult:
                          "slowest_rank_factor": self.pace_factor(),
                          # a straggler or node named in `variation:` (hardware/variation.py), when one is
                          **({"slowest_named_speed": sc.variation.slowest_named()}
-                            if sc.variation.stragglers or sc.variation.nodes else {})},
+                            if sc.variation.stragglers or sc.variation.nodes else {}),
+                         **self.variation_facts()},
             "software": stack(sc.compute, select_sdpa_backend(sc.cluster.gpu.arch, sc.compute),  # hardware/software.py
                               wl.meta.get("norm_impl")),
             "fsdp": {"runtime": f"fsdp{s.version}" if s.version else "none", "wrap": sc.wrap, "sharding_strategy": sc.sharding_strategy,

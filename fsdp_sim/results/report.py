@@ -53,12 +53,51 @@ def software_line(d: dict) -> str:
     """The stack the run assumes (hardware/software.py) and the rate its GPU sustains (profiles.Sustained)."""
     sw, hw = d["software"], d["hardware"]
     norm = f", norms {sw['norm']}" if sw["norm"] else ""
-    named = f", a named GPU at speed {hw['slowest_named_speed']:.2f}" if "slowest_named_speed" in hw else ""
-    slowest = (f", the slowest of {hw['world_size']} GPUs' pace (spread {100 * hw['gpu_speed_spread']:.1f} %{named}: "
-               f"compute x{hw['slowest_rank_factor']:.3f})" if hw["slowest_rank_factor"] != 1 else "")
+    spread = f"spread {100 * hw['gpu_speed_spread']:.1f} %"
+    pacer = hw.get("paced_by", "spread")
+    if pacer != "spread":  # a rank or node named in `variation:` is slower than the spread's expected slowest
+        pace = (f"paced by {pacer} at speed {hw['slowest_named_speed']:.2f} (slower than the expected slowest of "
+                f"{hw['world_size']} GPUs under {spread})")
+    else:
+        pace = f"the slowest of {hw['world_size']} GPUs' pace ({spread}" + (
+            ", slower than any rank or node named" if "paced_by" in hw else "") + ")"
+    slowest = f", {pace}: compute x{hw['slowest_rank_factor']:.3f}" if hw["slowest_rank_factor"] != 1 else ""
     return (f"  software           torch {sw['torch']} (NCCL {sw['nccl']}): SDPA {sw['sdpa_backend']}{norm}, "
             f"{'torch.compile' if sw['torch_compile'] else 'eager'}; kernels at the GPU's sustained rate "
             f"(compute {hw['sustained_compute']:.3f}x, memory {hw['sustained_memory']:.2f}x its benchmarks){slowest}")
+
+
+def fault_words(variation: dict) -> list[str]:
+    """Each straggler, slow node and NIC named in `variation:`, in one wording for every kind: "rank 3 at
+    speed 0.90", "node 1 at speed 0.80", "node 1 NIC 2 down", "node 2 NIC 0 at bandwidth 0.50"."""
+    return ([f"rank {a['rank']} at speed {a['speed']:.2f}" for a in variation.get("stragglers", [])]
+            + [f"node {a['node']} at speed {a['speed']:.2f}" for a in variation.get("nodes", [])]
+            + [f"node {a['node']} NIC {a['nic']} " + ("down" if a["bandwidth"] == 0 else f"at bandwidth {a['bandwidth']:.2f}")
+               for a in variation.get("links", [])])
+
+
+def variation_lines(hw: dict) -> list[str]:
+    """The summary's lines on what `variation:` names and how the collectives were priced (none for a plain
+    scenario: the closed forms on a uniform fabric)."""
+    lines = []
+    var, priced = hw.get("variation"), hw.get("collective_pricing")
+    if var:
+        weakest = var.get("weakest_nic_node")
+        lines.append("  variation          " + ", ".join(fault_words(var))
+                     + (f" (the weakest node for rings across nodes: node {weakest['node']}, its NICs at "
+                        f"{100 * weakest['nic_sum_fraction']:.1f} % of their sum)" if weakest else ""))
+    if priced:
+        why = {"oversubscription": f"oversubscription {priced['oversubscription']:g}:1 on {priced['topology']} with "
+                                   f"{priced['nodes_per_leaf']} nodes per leaf",
+               "nic_faults": "NICs below their rate"}
+        because = " and ".join(why[b] for b in priced["because"]) or "asked for"
+        spines = f"{priced['spines']} spine{'s' if priced['spines'] != 1 else ''}"
+        lines.append(f"  fabric             collectives priced on the topology graph ({because}; {spines}) for the "
+                     f"{', '.join(priced['groups']) or 'no'} group{'s' if len(priced['groups']) != 1 else ''}")
+    elif var and "links" in var:
+        lines.append("  fabric             collectives priced by the closed forms: no collective crosses the NICs "
+                     "(one node), so the NIC faults cost nothing")
+    return lines
 
 
 def summary(d: dict) -> str:
@@ -81,6 +120,7 @@ def summary(d: dict) -> str:
         f"  parameters         trainable {d['model']['trainable_params']} params, frozen {d['model']['frozen_params']} params; "
         f"trainable stored in {d['model']['param_storage_dtype']}",
         software_line(d),
+        *variation_lines(d["hardware"]),
         *([f"  note               {f['zero_stage_note']}"] if f.get("zero_stage_note") else []),
         *([f"  tensor parallel    {f['tp']} ranks per TP group (sequence parallel {f['sequence_parallel']}); FSDP over "
            f"the {f['shard_size'] * f['replicate_size']} data-parallel ranks; parameters above are one rank's"]
