@@ -17,7 +17,7 @@ from html import escape
 
 from fsdp_sim.results import svg
 from fsdp_sim.results.analysis import StepResult
-from fsdp_sim.results.report import fit_word, fmt_bytes, fmt_time, summary, tally
+from fsdp_sim.results.report import fault_words, fit_word, fmt_bytes, fmt_time, pricing_words, summary, tally
 
 STYLE = """
 body{font-family:sans-serif;margin:1.5em auto;max-width:1100px;color:#222}
@@ -132,6 +132,7 @@ def run_report(result: StepResult, data: dict | None = None) -> str:
     played = " The representative rank at the mean speed (--trace draws each rank)." if p else ""
     sections = [
         f"<h2>Summary</h2><pre>{escape(summary(d))}</pre>",
+        *_fabric(d["hardware"]),
         "<h2>Memory over the step</h2><p>Stacked by category (hover for the values at a time); the dark line "
         "is reserved memory; shading: forward, backward, optimizer.</p>" + svg.timeline(result, mem),
         "<h2>Streams</h2><p>Each op a bar by phase (hover for its name and times)." + played + "</p>" + svg.gantt(result),
@@ -143,6 +144,22 @@ def run_report(result: StepResult, data: dict | None = None) -> str:
         + _table(["", "time", "of the step"], times),
     ]
     return _page(f"fsdp-sim: {d['scenario']}", sections)
+
+
+def _fabric(hw: dict) -> list[str]:
+    """The collectives' pricing and what `variation:` names, in the summary's words; nothing for a plain scenario
+    (results/report.variation_lines says when)."""
+    var = hw.get("variation", {})
+    if not var and "collective_pricing" not in hw:
+        return []
+    rows = [["pricing", pricing_words(hw)], *(["named in variation", w] for w in fault_words(var))]
+    if "weakest_nic_node" in var:
+        weakest = var["weakest_nic_node"]
+        rows.append(["weakest node for rings", f"node {weakest['node']}, its NICs at "
+                                               f"{100 * weakest['nic_sum_fraction']:.1f} % of their sum"])
+    if "paced_by" in hw:
+        rows.append(["compute paced by", hw["paced_by"]])
+    return ["<h2>Fabric and variation</h2>" + _table(["", ""], rows)]
 
 
 def sweep_report(title: str, keys: list[str], rows: list[dict], color_by: list[str], *, text: str = "",

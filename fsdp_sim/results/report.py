@@ -53,15 +53,15 @@ def software_line(d: dict) -> str:
     """The stack the run assumes (hardware/software.py) and the rate its GPU sustains (profiles.Sustained)."""
     sw, hw = d["software"], d["hardware"]
     norm = f", norms {sw['norm']}" if sw["norm"] else ""
-    spread = f"spread {100 * hw['gpu_speed_spread']:.1f} %"
+    spread, factor = f"spread {100 * hw['gpu_speed_spread']:.1f} %", f"compute x{hw['slowest_rank_factor']:.3f}"
     pacer = hw.get("paced_by", "spread")
     if pacer != "spread":  # a rank or node named in `variation:` is slower than the spread's expected slowest
         pace = (f"paced by {pacer} at speed {hw['slowest_named_speed']:.2f} (slower than the expected slowest of "
-                f"{hw['world_size']} GPUs under {spread})")
+                f"{hw['world_size']} GPUs under {spread}: {factor})")
     else:
-        pace = f"the slowest of {hw['world_size']} GPUs' pace ({spread}" + (
-            ", slower than any rank or node named" if "paced_by" in hw else "") + ")"
-    slowest = f", {pace}: compute x{hw['slowest_rank_factor']:.3f}" if hw["slowest_rank_factor"] != 1 else ""
+        pace = (f"the slowest of {hw['world_size']} GPUs' pace ({spread}"
+                + (", slower than any rank or node named" if "paced_by" in hw else "") + f": {factor})")
+    slowest = f", {pace}" if hw["slowest_rank_factor"] != 1 else ""
     return (f"  software           torch {sw['torch']} (NCCL {sw['nccl']}): SDPA {sw['sdpa_backend']}{norm}, "
             f"{'torch.compile' if sw['torch_compile'] else 'eager'}; kernels at the GPU's sustained rate "
             f"(compute {hw['sustained_compute']:.3f}x, memory {hw['sustained_memory']:.2f}x its benchmarks){slowest}")
@@ -86,18 +86,24 @@ def variation_lines(hw: dict) -> list[str]:
         lines.append("  variation          " + ", ".join(fault_words(var))
                      + (f" (the weakest node for rings across nodes: node {weakest['node']}, its NICs at "
                         f"{100 * weakest['nic_sum_fraction']:.1f} % of their sum)" if weakest else ""))
-    if priced:
-        why = {"oversubscription": f"oversubscription {priced['oversubscription']:g}:1 on {priced['topology']} with "
-                                   f"{priced['nodes_per_leaf']} nodes per leaf",
-               "nic_faults": "NICs below their rate"}
-        because = " and ".join(why[b] for b in priced["because"]) or "asked for"
-        spines = f"{priced['spines']} spine{'s' if priced['spines'] != 1 else ''}"
-        lines.append(f"  fabric             collectives priced on the topology graph ({because}; {spines}) for the "
-                     f"{', '.join(priced['groups']) or 'no'} group{'s' if len(priced['groups']) != 1 else ''}")
-    elif var and "links" in var:
-        lines.append("  fabric             collectives priced by the closed forms: no collective crosses the NICs "
-                     "(one node), so the NIC faults cost nothing")
+    if priced or (var and "links" in var):
+        lines.append(f"  fabric             {pricing_words(hw)}")
     return lines
+
+
+def pricing_words(hw: dict) -> str:
+    """How the collectives were priced, in words (`hardware.collective_pricing`; absent: the closed forms)."""
+    priced = hw.get("collective_pricing")
+    if not priced:
+        return ("collectives priced by the closed forms" + (": no collective crosses the NICs (one node), so the NIC "
+                "faults cost nothing" if "links" in hw.get("variation", {}) else ""))
+    why = {"oversubscription": f"oversubscription {priced['oversubscription']:g}:1 on {priced['topology']} with "
+                               f"{priced['nodes_per_leaf']} nodes per leaf",
+           "nic_faults": "NICs below their rate"}
+    because = " and ".join(why[b] for b in priced["because"]) or "asked for"
+    spines = f"{priced['spines']} spine{'s' if priced['spines'] != 1 else ''}"
+    return (f"collectives priced on the topology graph ({because}; {spines}) for the "
+            f"{', '.join(priced['groups']) or 'no'} group{'s' if len(priced['groups']) != 1 else ''}")
 
 
 def summary(d: dict) -> str:
