@@ -188,8 +188,8 @@ class StepResult:
         if var.links:
             weakest = weakest_nic_node(var.links, sc.cluster.fabric.network.nics_per_node)
             named |= {"weakest_nic_node": weakest} if weakest else {}
-        return ({"paced_by": paced_by(var, world)} if (var.stragglers or var.nodes) and self.pace_factor() != 1 else {}) \
-            | ({"variation": named} if named else {}) \
+        paced = (var.stragglers or var.nodes) and self.pace_factor() != 1  # --per-rank paces nothing
+        return ({"paced_by": paced_by(var, world)} if paced else {}) | ({"variation": named} if named else {}) \
             | ({"collective_pricing": self.collective_pricing} if self.collective_pricing else {})
 
     def _model_flops(self) -> float:

@@ -72,8 +72,8 @@ def fault_words(variation: dict) -> list[str]:
     speed 0.90", "node 1 at speed 0.80", "node 1 NIC 2 down", "node 2 NIC 0 at bandwidth 0.50"."""
     return ([f"rank {a['rank']} at speed {a['speed']:.2f}" for a in variation.get("stragglers", [])]
             + [f"node {a['node']} at speed {a['speed']:.2f}" for a in variation.get("nodes", [])]
-            + [f"node {a['node']} NIC {a['nic']} " + ("down" if a["bandwidth"] == 0 else f"at bandwidth {a['bandwidth']:.2f}")
-               for a in variation.get("links", [])])
+            + [f"node {a['node']} NIC {a['nic']} "
+               + ("down" if a["bandwidth"] == 0 else f"at bandwidth {a['bandwidth']:.2f}") for a in variation.get("links", [])])
 
 
 def variation_lines(hw: dict) -> list[str]:
