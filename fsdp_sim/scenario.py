@@ -406,8 +406,9 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     loss = get_key("training", training, "loss", str, "torch", choices=LOSSES)
     workload = apply_loss(workload, loss, batch=micro_batch, seq=seq_len)  # workload/loss.py
     workload = adapt_workload(workload, adaptation) if adaptation else workload
-    if options.torch_compile and not adaptation:  # Inductor's kernels and saved set (workload/compiled_block.py)
-        workload = compiled_workload(workload, tp.size, checkpointed=ac != "none", torch_version=options.torch_version)
+    if options.torch_compile:  # Inductor's kernels and saved set, or why not (workload/compiled_block.py)
+        workload = compiled_workload(workload, tp.size, checkpoint=ac, adapted=bool(adaptation),
+                                     torch_version=options.torch_version)
     _check_scale(workload, grad_accumulation)
     if "trace" in compute:
         trace = Path(get_key("compute", compute, "trace", str))

@@ -11,6 +11,9 @@ the dispatcher anyway.
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -18,41 +21,66 @@ from fsdp_sim.hardware.kernels import ComputeOptions, kernels_time
 from fsdp_sim.hardware.profiles import load_profile
 from fsdp_sim.scenario import parse_scenario
 from fsdp_sim.simulate import simulate
-from fsdp_sim.workload.compiled_block import compiled_activations, compiled_kernels
+from fsdp_sim.workload.checkpointing import COMPILED_SAC, compiled_op_policy
+from fsdp_sim.workload.compiled_block import compiled_activations, compiled_kernels, table_key
+from fsdp_sim.workload.compiled_block_data import TABLES
 from fsdp_sim.workload.kernels import block_kernels
+from fsdp_sim.workload.model import Module
 from fsdp_sim.workload.presets import PRESETS
 from fsdp_sim.workload.transformer import TransformerDims, block_activations
 
 MEMORY_KINDS = ("inductor_reduction", "inductor_pointwise", "elementwise")
 
 
-@pytest.mark.slow  # Inductor compiles a block (C++ on the CPU): about 20 s
-@pytest.mark.parametrize("kv_heads", [1, 4])
-def test_the_table_is_what_inductor_compiles(kv_heads):
+STYLE_DIMS = {"torchtitan": {}, "hf_llama": {"norm_impl": "hf_llama"},
+              "gpt": {"mlp": "gelu", "norm": "layernorm", "bias": True, "learned_pos": True, "max_seq": 64}}
+
+
+def _dims(cfg, **extra) -> TransformerDims:
+    """The simulator's dims for `cfg`'s block (head_dim 48 of 4 heads: heads x head_dim != hidden)."""
+    return TransformerDims(hidden=cfg.hidden, layers=1, heads=cfg.heads, kv_heads=cfg.kv_heads, ffn_hidden=cfg.ffn,
+                           vocab=8, head_dim=cfg.head_dim, **STYLE_DIMS[cfg.style], **extra)
+
+
+def _rope_views(e) -> int:
+    """Saved bytes that are views of the model's rotary table (S x D elements: cos, sin, the complex table)."""
+    sd = e.cfg.seq * e.cfg.head_dim
+    return sum(math.prod(shape) * {"bfloat16": 2, "float32": 4, "complex64": 8}[dt] for name, shape, dt in e.saved
+               if not name.startswith("primals") and math.prod(shape) * (2 if dt == "complex64" else 1) == sd)
+
+
+@pytest.mark.slow  # Inductor compiles a block (C++ on the CPU): about 20 s each
+@pytest.mark.parametrize("key", sorted(TABLES))
+def test_the_table_is_what_inductor_compiles(key):
     """Saved set, forward transient and backward peak, and every memory-bound kernel's bytes, against a
-    block compiled now with the installed torch."""
+    block compiled now with the installed torch, for every table the simulator holds."""
     pytest.importorskip("torch")
     from fsdp_sim.torch_tools.inductor_block import BlockConfig, extract
-    cfg = BlockConfig(batch=3, kv_heads=kv_heads)
+    style, attn, ck = key
+    cfg = BlockConfig(batch=3, style=style, kv_heads=1 if attn == "gqa" else 4, checkpoint=ck)
     e = extract(cfg)
     assert e.graphs == 1  # one Dynamo graph: no break inside the block
     assert e.compiled_saved_bytes == e.saved_bytes()  # what autograd's hooks see the compiled Function save
-    d = TransformerDims(hidden=cfg.hidden, layers=1, heads=cfg.heads, kv_heads=kv_heads, ffn_hidden=cfg.ffn, vocab=8)
-    saved, fwd_temp, bwd_peak, _ = compiled_activations(d, cfg.batch, cfg.seq, 2)
-    rope_table = cfg.seq * cfg.head_dim // 2 * 8  # `_conj`: a view of the model's rotary table, not the block's
-    assert saved == e.saved_bytes() - rope_table
+    d = _dims(cfg)
+    saved, fwd_temp, bwd_peak, _ = compiled_activations(d, cfg.batch, cfg.seq, 2, key)
+    assert saved == e.saved_bytes() - _rope_views(e)
     peak, end = e.transient("forward")
     assert fwd_temp == peak - end
     assert bwd_peak == e.transient("backward")[0]
     memory = [n for n in e.nodes if n.kind == "generated" or (n.kind == "library" and "mm" not in n.name
                                                                   and "scaled_dot_product" not in n.name)]
     # the CPU backend's kernels: no mix-order reduction (a GPU Triton fusion), as before torch 2.10
-    ours = [k for k in compiled_kernels(d, cfg.batch, cfg.seq, 2, causal=True, torch_version=(2, 9))
+    ours = [k for k in compiled_kernels(d, cfg.batch, cfg.seq, 2, causal=True, key=key, torch_version=(2, 9))
             if k.kind in MEMORY_KINDS]
     assert len(ours) == len(memory)
     for k, n in zip(ours, memory):
         assert k.bytes + k.bwd_bytes == n.read_bytes + n.write_bytes  # the norms' weights are read too
         assert (k.bytes > 0) == (n.graph == "forward")
+    if ck == "selective_op":  # the compiled backward reruns exactly the GEMMs the policy does not cache
+        eager_mm = sum(k.bwd_launches for k in block_kernels(d, cfg.batch, cfg.seq, 2, causal=True) if k.kind == "gemm")
+        rerun = compiled_op_policy(Module("b", "block", kernels=compiled_kernels(d, cfg.batch, cfg.seq, 2, causal=True, key=key)), 2)
+        gemms = [n for n in e.kernels("backward") if n.kind == "library" and n.name.split(".")[1] in ("mm", "addmm")]
+        assert len(gemms) == eager_mm + sum(k.recompute for k in rerun.recompute_kernels if k.kind == "gemm")
 
 
 @pytest.mark.slow
@@ -60,15 +88,15 @@ def test_under_full_checkpointing_the_compiled_backward_recomputes_what_eager_by
     """torchtitan's full checkpoint inside the compiled block: the partitioner saves nothing but the
     block's input (and the RNG state), and the compiled backward's peak (its recompute and the gradients, fused) is what
     the eager block's saved bytes and backward transient add up to, within 2 %, where the no-checkpoint
-    table's would be 10 % short: why `compiled_workload(checkpointed=True)` keeps the eager bytes."""
+    table's would be 10 % short: why `compiled_workload(checkpoint="full")` keeps the eager bytes."""
     pytest.importorskip("torch")
     from fsdp_sim.torch_tools.inductor_block import BlockConfig, extract
-    cfg = BlockConfig(batch=3, checkpoint=True)
+    cfg = BlockConfig(batch=3, checkpoint="full")
     e = extract(cfg)
     # nothing but the input (a `primals`) and the generator's state (5,056 B of the CPU's Mersenne
     # twister; the CUDA generator's seed and offset are 16 B)
     assert [name for name, _, _ in e.saved if not name.startswith(("primals", "rng_state"))] == []
-    d = TransformerDims(hidden=cfg.hidden, layers=1, heads=cfg.heads, kv_heads=cfg.kv_heads, ffn_hidden=cfg.ffn, vocab=8)
+    d = _dims(cfg)
     eager = block_activations(d, cfg.batch, cfg.seq, 2)
     peak = e.transient("backward")[0]
     assert eager.saved + eager.bwd_temp == pytest.approx(peak, rel=0.02)
@@ -85,9 +113,10 @@ def test_fully_shard_on_the_compiled_block_adds_no_graph():
     assert graphs_under_fully_shard(BlockConfig(batch=3)) == 1
 
 
-dims = st.builds(lambda h, heads, rep, f: TransformerDims(hidden=64 * heads * h, layers=1, heads=heads,
-                                                           kv_heads=heads // rep, ffn_hidden=f * 64, vocab=8),
-                 st.integers(1, 4), st.sampled_from([4, 8, 16, 32]), st.sampled_from([1, 2, 4]), st.integers(4, 300))
+dims = st.builds(lambda h, heads, rep, f, hd: TransformerDims(hidden=64 * heads * h, layers=1, heads=heads,
+                                                               kv_heads=heads // rep, ffn_hidden=f * 64, vocab=8, head_dim=hd),
+                 st.integers(1, 4), st.sampled_from([4, 8, 16, 32]), st.sampled_from([1, 2, 4]), st.integers(4, 300),
+                 st.sampled_from([None, 64, 128, 256]))  # a head_dim of its own (Gemma, Qwen3) or hidden // heads
 
 
 @settings(max_examples=40, deadline=None)
@@ -146,3 +175,104 @@ def test_mix_order_reduction_drops_the_weight_gradient_kernel_where_inductor_tak
     assert fused_n == plain_n - 1
     assert plain_b - fused_b == 8192 * (7 * d.hidden * 2 + 2 * 4) + 2 * d.hidden * 2  # 7 (tokens, hidden) reads, two rstd, two rows
     assert backward(4096, (2, 13)) == backward(4096, (2, 9))
+
+
+def _scenario(path: str, **changes):
+    from pathlib import Path
+    import yaml
+    data = yaml.safe_load(Path(path).read_text())
+    for key, value in changes.items():
+        data[key] = data.get(key, {}) | value
+    return parse_scenario(data, base=Path(path).parent)
+
+
+@pytest.mark.parametrize("path, key", [
+    ("scenarios/llama3-8b-8xh100-compile.yaml", ("torchtitan", "gqa", "none")),
+    ("scenarios/mistral-7b-8xh100-hf.yaml", ("hf_llama", "gqa", "none")),
+])
+def test_each_block_code_gets_its_own_table(path, key):
+    """A preset is torchtitan's block; an HF config of a Llama-code model type transformers' (rotate_half
+    RoPE, LlamaRMSNorm): each block's kernels are that table's, and the summary names it."""
+    sc = _scenario(path, compute={"torch_compile": True})
+    d = TransformerDims(**sc.workload.meta["block_activations"]["dims"])
+    blocks = [m for m in sc.workload.modules if m.is_block]
+    assert all(m.kernels == compiled_kernels(d, 1, sc.workload.tokens, 2, causal=True, key=key) for m in blocks)
+    assert ("transformers Llama" if key[0] == "hf_llama" else "torchtitan Llama") in sc.workload.meta["compiled_blocks"]
+
+
+@pytest.mark.parametrize("path, changes, reason", [
+    ("scenarios/llama2-70b-8xa100-80gb-lora.yaml", {}, "LoRA / frozen-base blocks"),
+    ("scenarios/gemma2-9b-8xh100-hf.yaml", {}, "gemma2 blocks"),
+    ("scenarios/published/torchtitan-llama3-70b-s8192-256xh100-96gb-mb16-tp8-compile-float8.yaml", {},
+     "tensor-parallel blocks"),
+])
+def test_blocks_outside_the_tables_keep_the_old_path_and_say_so(path, changes, reason):
+    """LoRA, tensor-parallel and Gemma blocks are not in Inductor's table: their kernels stay the eager
+    block's (priced at hand-written fused speed under torch_compile) and the software line names the
+    approximation."""
+    from fsdp_sim.results.report import software_line
+    sc = _scenario(path, compute={"torch_compile": True}, **changes)
+    note = sc.workload.meta["compiled_blocks"]
+    assert note.startswith(reason) and "approximation" in note
+    assert not any(k.name.startswith("inductor ") for m in sc.workload.modules for k in m.kernels)
+    assert note in software_line(simulate(sc).to_dict())
+
+
+def test_table_key_names_what_is_not_read():
+    d = PRESETS["gpt2"]
+    assert table_key(d, {}) == (("gpt", "mha", "none"), "")
+    assert table_key(replace(d, dropout=True), {}) == (None, "dropout")  # HF's GPT-2 config: resid_pdrop 0.1
+    llama = PRESETS["llama3-8b"]
+    assert table_key(llama, {"source": "hf_config", "model_type": "phi3"})[0] is None
+    assert table_key(llama, {}, checkpoint="selective_op")[0] == ("torchtitan", "gqa", "selective_op")
+    assert table_key(llama, {}, checkpoint="full")[0] == ("torchtitan", "gqa", "none")
+
+
+@pytest.mark.parametrize("attn", ["gqa", "mha"])
+def test_rotate_half_is_one_generated_kernel_per_q_and_k(attn):
+    """transformers' rotate_half RoPE under Inductor (CUDA's `pointwise_cat`): one kernel for q and one
+    for k (grouped-query), or one for both (multi-head: the same shape), each reading the projection and
+    cos and sin once and writing the rotated tensor, where eager runs five kernels a tensor;
+    torchtitan's complex RoPE stays an eager multiply between two casts."""
+    d = replace(PRESETS["llama3-8b"], norm_impl="hf_llama", kv_heads=8 if attn == "gqa" else 32)
+    tok, s, p = 8192, 8192, 2
+    ks = compiled_kernels(d, 1, s, p, causal=True, key=("hf_llama", attn, "none"))
+    rope = [k for k in ks if k.bytes and "cat" in k.name.split("+") and "_scaled_dot_product" not in k.name
+            and "expand" not in k.name]
+    q, kv, sd = tok * d.q_dim * p, tok * d.kv * d.head_dim * p, s * d.head_dim * p
+    if attn == "gqa":
+        assert sorted(k.bytes for k in rope) == sorted([2 * q + 2 * sd, 2 * kv + 2 * sd])
+    else:  # q and k of one shape: Inductor's horizontal fusion makes them one kernel, cos and sin read once
+        assert [k.bytes for k in rope] == [2 * q + 2 * kv + 2 * sd]
+    assert all(k.launches == 1 for k in rope)
+    titan = compiled_kernels(d, 1, s, p, causal=True, key=("torchtitan", attn, "none"))
+    assert any(k.kind == "elementwise" and "aten.mul" in k.name and k.bytes for k in titan)
+
+
+def test_selective_op_under_compile_saves_the_partitioners_set():
+    """torchtitan's op-level policy inside the compiled block: the partitioner keeps the policy's MUST_SAVE
+    outputs the backward reads (wq's and wv's, SDPA's output and logsumexp, w1's) and nothing else -- not
+    w2's output the eager policy caches, no norm statistic, no k before the repeat -- and the
+    backward reruns wk, wo and w3 (the mm's the policy does not keep)."""
+    d = PRESETS["llama3-8b"]
+    tok, p = 8192, 2
+    key = ("torchtitan", "gqa", "selective_op")
+    saved = compiled_activations(d, 1, tok, p, key)[0]
+    assert saved == tok * p * (2 * d.q_dim + d.kv * d.head_dim + d.ffn) + tok * d.heads * 4
+    block = Module("b", "block", saved_bytes=saved, kernels=compiled_kernels(d, 1, tok, p, causal=True, key=key))
+    plan = compiled_op_policy(block, p)
+    assert plan.cache_bytes == plan.shared_bytes == saved
+    assert [k.name for k in plan.recompute_kernels if k.recompute] == ["wk", "wo", "w3"]
+
+
+def test_selective_op_compile_on_the_published_run_lowers_memory_and_the_recompute():
+    """torchtitan's published 8-GPU compile run (selective_op): against the eager policy's cache on
+    compiled kernels, the compiled saved set lowers the peak and the recompute's memory-bound kernels
+    (fused into the compiled backward) no longer run twice."""
+    path = "scenarios/published/torchtitan-llama3-8b-s8192-8xh100-96gb-mb2-compile.yaml"
+    sc = _scenario(path)
+    run = simulate(sc)
+    eager_plan = replace(sc.workload, meta={k: v for k, v in sc.workload.meta.items() if k != COMPILED_SAC})
+    before = simulate(replace(sc, workload=eager_plan))
+    assert run.peak()["allocated_bytes"] < before.peak()["allocated_bytes"]
+    assert run.step_time_s < before.step_time_s

@@ -69,11 +69,13 @@ def version_text(version: tuple[int, ...]) -> str:
 NORM_KERNELS = {"fused": "one fused kernel", "composite": "composite of eager ops", "hf_llama": "HF LlamaRMSNorm (eager ops)"}
 
 
-def stack(options, sdpa_backend: str, norm_impl: str | None) -> dict:
+def stack(options, sdpa_backend: str, norm_impl: str | None, compiled_blocks: str | None = None) -> dict:
     """What the run assumes of its software, for the results: torch, the NCCL it ships, the SDPA backend it
     picks on the GPU (kernels.py `select_sdpa_backend`), the norms' kernel (LayerNorm's is always fused; None: a workload that does not say)
-    and whether Inductor compiles."""
+    and whether Inductor compiles; under torch.compile, how the blocks are priced (workload/compiled_block.py
+    `compiled_note`: Inductor's table, or the approximation and why)."""
     return {"torch": version_text(options.torch_version), "nccl": version_text(nccl_version(options.torch_version)),
             "sdpa_backend": sdpa_backend,
             "norm": NORM_KERNELS.get(norm_impl) if norm_impl else None,
-            "torch_compile": options.torch_compile}
+            "torch_compile": options.torch_compile,
+            **({"compiled_blocks": compiled_blocks} if options.torch_compile and compiled_blocks else {})}

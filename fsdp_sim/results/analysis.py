@@ -376,7 +376,7 @@ class StepResult:
                             if sc.variation.stragglers or sc.variation.nodes else {}),
                          **self.variation_facts()},
             "software": stack(sc.compute, select_sdpa_backend(sc.cluster.gpu.arch, sc.compute),  # hardware/software.py
-                              wl.meta.get("norm_impl")),
+                              wl.meta.get("norm_impl"), wl.meta.get("compiled_blocks")),
             "fsdp": {"runtime": f"fsdp{s.version}" if s.version else "none", "wrap": sc.wrap, "sharding_strategy": sc.sharding_strategy,
                      "zero_stage": sc.zero_stage, "zero_stage_note": ZERO_NOTES.get(sc.zero_stage),
                      "shard_size": s.shard_size, "replicate_size": s.replicate_size,

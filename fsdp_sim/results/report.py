@@ -62,8 +62,9 @@ def software_line(d: dict) -> str:
         pace = (f"the slowest of {hw['world_size']} GPUs' pace ({spread}"
                 + (", slower than any rank or node named" if "paced_by" in hw else "") + f": {factor})")
     slowest = f", {pace}" if hw["slowest_rank_factor"] != 1 else ""
+    compiled = f" (blocks: {sw['compiled_blocks']})" if sw.get("compiled_blocks") else ""
     return (f"  software           torch {sw['torch']} (NCCL {sw['nccl']}): SDPA {sw['sdpa_backend']}{norm}, "
-            f"{'torch.compile' if sw['torch_compile'] else 'eager'}; kernels at the GPU's sustained rate "
+            f"{'torch.compile' if sw['torch_compile'] else 'eager'}{compiled}; kernels at the GPU's sustained rate "
             f"(compute {hw['sustained_compute']:.3f}x, memory {hw['sustained_memory']:.2f}x its benchmarks){slowest}")
 
 

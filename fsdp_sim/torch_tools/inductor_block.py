@@ -41,13 +41,27 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise ImportError("fsdp_sim.torch_tools needs PyTorch; pip install torch==2.13.0") from exc
 
-__all__ = ["BlockConfig", "LlamaBlock", "Node", "Extraction", "extract", "terms"]
+__all__ = ["STYLES", "CHECKPOINTS", "BlockConfig", "LlamaBlock", "Node", "Extraction", "extract", "terms"]
+
+
+STYLES = ("torchtitan", "hf_llama", "gpt")
+CHECKPOINTS = ("none", "full", "selective_op")
 
 
 @dataclass(frozen=True)
 class BlockConfig:
-    """A torchtitan Llama-3 block's dimensions. The defaults keep every size distinct from the others,
-    so that each buffer's element count names the product it is (tokens x hidden, tokens x ffn, ...)."""
+    """A block's dimensions and code path. The defaults keep every size distinct from the others
+    (head_dim 48: heads x head_dim = 192 is not hidden), so that each buffer's element count names the
+    product it is (tokens x hidden, tokens x heads x head_dim, tokens x ffn, ...); `terms` refuses a
+    configuration where two products meet.
+
+    `style`: `torchtitan` (Llama-3: `nn.RMSNorm`, complex RoPE, repeat_kv on (b, s, kv, d), SwiGLU),
+    `hf_llama` (transformers' Llama / Mistral / Qwen2 / Qwen3 decoder layer: `LlamaRMSNorm`'s eager
+    upcast, rotate_half RoPE on (b, heads, s, d) with cos / sin in the activation dtype, `repeat_kv` on
+    (b, kv, s, d), `down(act(gate) * up)`), `gpt` (GPT-2 / GPT-NeoX / ViT: `nn.LayerNorm` with a bias,
+    biased Linears, GELU MLP, no rotary embedding: positions are added in the embedding).
+    `checkpoint`: torchtitan's `apply_ac` inside the compiled region: `full` (non-reentrant, no RNG
+    state kept) or `selective_op` (its op-level policy, technique_referee.py `_op_sac_context`)."""
 
     hidden: int = 256
     heads: int = 4
@@ -56,13 +70,22 @@ class BlockConfig:
     batch: int = 2
     seq: int = 40
     dtype: str = "bf16"
-    rope: str = "complex"  # torchtitan's complex multiply; "rotate_half" is Hugging Face's form
-    checkpoint: bool = False  # torchtitan's full activation checkpointing (non-reentrant, no RNG state kept)
+    style: str = "torchtitan"
+    head_dim: int = 48
+    checkpoint: str = "none"
     norm_eps: float = 1e-5
 
+    def __post_init__(self) -> None:
+        if self.style not in STYLES or self.checkpoint not in CHECKPOINTS:
+            raise ValueError(f"style {self.style!r} / checkpoint {self.checkpoint!r}: expected one of {STYLES} / {CHECKPOINTS}")
+
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def rope(self) -> str:
+        return {"torchtitan": "complex", "hf_llama": "rotate_half", "gpt": "none"}[self.style]
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
 
     @property
     def tokens(self) -> int:
@@ -70,7 +93,7 @@ class BlockConfig:
 
 
 def _rope_complex(xq, xk, freqs_cis):
-    """torchtitan's `apply_rotary_emb` (models/llama3/model/model.py)."""
+    """torchtitan's `apply_rotary_emb` (models/llama3/model/model.py), on (b, s, heads, d)."""
     xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
     xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
     f = freqs_cis[: xq.shape[1]].view(1, xq.shape[1], 1, xq_.shape[-1])
@@ -83,24 +106,43 @@ def _rotate_half(x):
 
 
 def _rope_rotate_half(xq, xk, cos, sin):
-    """transformers' `apply_rotary_pos_emb` (models/llama/modeling_llama.py), on (b, s, heads, d)."""
-    cos, sin = cos[: xq.shape[1]].view(1, xq.shape[1], 1, -1), sin[: xq.shape[1]].view(1, xq.shape[1], 1, -1)
+    """transformers' `apply_rotary_pos_emb` (models/llama/modeling_llama.py), on (b, heads, s, d); cos
+    and sin as `LlamaRotaryEmbedding` returns them for position ids of batch 1, unsqueezed at dim 1."""
+    cos, sin = cos[: xq.shape[2]][None, None], sin[: xq.shape[2]][None, None]
     return xq * cos + _rotate_half(xq) * sin, xk * cos + _rotate_half(xk) * sin
 
 
+class HFRMSNorm(nn.Module):
+    """transformers' `LlamaRMSNorm`: upcast, mean of squares, rsqrt, cast back, times the weight."""
+
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(hidden)), eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
 class LlamaBlock(nn.Module):
-    """torchtitan's `TransformerBlock` (llama3): h = x + wo(sdpa(rope(wq n1), rope(wk n1), wv n1)),
-    out = h + w2(silu(w1 n2) * w3 n2), n1 / n2 = `nn.RMSNorm`, GQA k and v repeated to every head."""
+    """One pre-norm block in `cfg.style`'s code: h = x + wo(sdpa(rope(wq n1), rope(wk n1), wv n1)),
+    out = h + w2(mlp(n2)), k and v repeated to every head where kv_heads < heads (module names are
+    torchtitan's whatever the style)."""
 
     def __init__(self, cfg: BlockConfig) -> None:
         super().__init__()
-        h, hd = cfg.hidden, cfg.head_dim
+        h, q, kv, f = cfg.hidden, cfg.q_dim, cfg.kv_heads * cfg.head_dim, cfg.ffn
         self.cfg = cfg
-        self.attention_norm, self.ffn_norm = nn.RMSNorm(h, eps=cfg.norm_eps), nn.RMSNorm(h, eps=cfg.norm_eps)
-        self.wq, self.wk = nn.Linear(h, cfg.heads * hd, bias=False), nn.Linear(h, cfg.kv_heads * hd, bias=False)
-        self.wv, self.wo = nn.Linear(h, cfg.kv_heads * hd, bias=False), nn.Linear(cfg.heads * hd, h, bias=False)
-        self.w1, self.w3 = nn.Linear(h, cfg.ffn, bias=False), nn.Linear(h, cfg.ffn, bias=False)
-        self.w2 = nn.Linear(cfg.ffn, h, bias=False)
+        bias = cfg.style == "gpt"
+        norm = {"torchtitan": lambda: nn.RMSNorm(h, eps=cfg.norm_eps), "hf_llama": lambda: HFRMSNorm(h, cfg.norm_eps),
+                "gpt": lambda: nn.LayerNorm(h, eps=cfg.norm_eps)}[cfg.style]
+        self.attention_norm, self.ffn_norm = norm(), norm()
+        self.wq, self.wk = nn.Linear(h, q, bias=bias), nn.Linear(h, kv, bias=bias)
+        self.wv, self.wo = nn.Linear(h, kv, bias=bias), nn.Linear(q, h, bias=bias)
+        self.w1, self.w2 = nn.Linear(h, f, bias=bias), nn.Linear(f, h, bias=bias)
+        self.w3 = None if cfg.style == "gpt" else nn.Linear(h, f, bias=False)
 
     def attention(self, x, rope):
         cfg = self.cfg
@@ -108,11 +150,17 @@ class LlamaBlock(nn.Module):
         xq = self.wq(x).view(bs, s, -1, cfg.head_dim)
         xk = self.wk(x).view(bs, s, -1, cfg.head_dim)
         xv = self.wv(x).view(bs, s, -1, cfg.head_dim)
+        rep = cfg.heads // cfg.kv_heads
+        if cfg.style == "hf_llama":  # transpose first, rotate, then `repeat_kv` on (b, kv, s, d)
+            xq, xk, xv = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
+            xq, xk = _rope_rotate_half(xq, xk, *rope)
+            if rep > 1:
+                xk = xk[:, :, None].expand(bs, cfg.kv_heads, rep, s, cfg.head_dim).reshape(bs, cfg.heads, s, cfg.head_dim)
+                xv = xv[:, :, None].expand(bs, cfg.kv_heads, rep, s, cfg.head_dim).reshape(bs, cfg.heads, s, cfg.head_dim)
+            out = F.scaled_dot_product_attention(xq, xk, xv, is_causal=True)
+            return self.wo(out.transpose(1, 2).contiguous().reshape(bs, s, -1))
         if cfg.rope == "complex":
             xq, xk = _rope_complex(xq, xk, rope)
-        else:
-            xq, xk = _rope_rotate_half(xq, xk, *rope)
-        rep = cfg.heads // cfg.kv_heads
         if rep > 1:  # torchtitan's repeat_kv
             xk = xk.unsqueeze(3).expand(bs, s, cfg.kv_heads, rep, cfg.head_dim).reshape(bs, s, cfg.heads, cfg.head_dim)
             xv = xv.unsqueeze(3).expand(bs, s, cfg.kv_heads, rep, cfg.head_dim).reshape(bs, s, cfg.heads, cfg.head_dim)
@@ -121,21 +169,30 @@ class LlamaBlock(nn.Module):
 
     def forward(self, x, rope):
         """`rope`: the model's precomputed rotary table, an input of each block as in torchtitan
-        (`freqs_cis`, complex64), or (cos, sin) in the activation dtype for the rotate_half form."""
-        if self.cfg.checkpoint:  # torchtitan's apply_ac: checkpoint_wrapper(preserve_rng_state=False)
+        (`freqs_cis`, complex64) and transformers (cos, sin in the activation dtype); None for `gpt`."""
+        if self.cfg.checkpoint != "none":  # torchtitan's apply_ac: checkpoint_wrapper(preserve_rng_state=False)
             from torch.utils.checkpoint import checkpoint
-            return checkpoint(self._block, x, rope, use_reentrant=False, preserve_rng_state=False)
+            from fsdp_sim.torch_tools.technique_referee import _op_sac_context
+            extra = {"context_fn": _op_sac_context} if self.cfg.checkpoint == "selective_op" else {}
+            return checkpoint(self._block, x, rope, use_reentrant=False, preserve_rng_state=False, **extra)
         return self._block(x, rope)
+
+    def mlp(self, n):
+        if self.w3 is None:  # GPT-2's gelu_new (tanh); ViT's exact GELU is the same one pointwise kernel
+            return self.w2(F.gelu(self.w1(n), approximate="tanh"))
+        return self.w2(F.silu(self.w1(n)) * self.w3(n))
 
     def _block(self, x, rope):
         h = x + self.attention(self.attention_norm(x), rope)
-        n = self.ffn_norm(h)
-        return h + self.w2(F.silu(self.w1(n)) * self.w3(n))
+        return h + self.mlp(self.ffn_norm(h))
 
 
 def rope_table(cfg: BlockConfig):
-    """The rotary table torchtitan's `precompute_freqs_cis` makes (complex64), or transformers' cos / sin."""
+    """The rotary table torchtitan's `precompute_freqs_cis` makes (complex64), transformers' cos / sin
+    (`LlamaRotaryEmbedding`: computed in fp32, cast to the activation dtype), or None (`gpt`)."""
     hd = cfg.head_dim
+    if cfg.rope == "none":
+        return None
     freqs = 1.0 / (10000.0 ** (torch.arange(0, hd, 2).float() / hd))
     angles = torch.outer(torch.arange(cfg.seq).float(), freqs)
     if cfg.rope == "complex":
@@ -160,6 +217,7 @@ class Node:
     write_bytes: int
     reads: dict[str, int] = field(default_factory=dict)  # buffer -> bytes read
     writes: dict[str, int] = field(default_factory=dict)
+    dtypes: dict[str, str] = field(default_factory=dict)  # buffer -> its dtype ("bfloat16", "complex64", ...)
 
 
 @dataclass
@@ -206,6 +264,15 @@ class Extraction:
         return peak, end
 
 
+# `aten.cat` (rotate_half's `cat((-x2, x1))`): Inductor's `cat` lowering (torch/_inductor/lowering.py, 2.13
+# wheel) always makes a ConcatKernel on the CPU ("negative performance impact of pointwise_cat ... on CPU"),
+# which materialises the rotated copy in two half-writes; on CUDA it takes `pointwise_cat` when the inputs
+# are pointwise or views with a single consumer and every use is pointwise -- rotate_half's `-x2` and
+# `x1` feed only the cat and it feeds only `* sin` -- so the slices, negation, concatenation and both
+# multiplies fuse into one kernel per q and k. The extraction forces that choice
+# (`config.force_pointwise_cat`), as CUDA's rule makes it here; no other block here has a cat.
+CUDA_CAT = True
+
 VIEW_OPS = ("view_as_complex", "view_as_real", "reshape", "_conj", "view", "permute", "expand", "squeeze",
             "unsqueeze", "transpose", "alias")  # a library call that only reinterprets: no kernel on CUDA
 
@@ -236,6 +303,7 @@ def _record(scheduler, graph: str, out: list[Node]) -> None:
             parent = by_buffer[node.node.inputs[0].get_name()]
             parent.writes.update(writes)
             parent.write_bytes = sum(parent.writes.values())
+            parent.dtypes.update({b: _buffer_dtype(b) for b in writes})
             for w in writes:
                 by_buffer[w] = parent
             continue
@@ -254,9 +322,18 @@ def _record(scheduler, graph: str, out: list[Node]) -> None:
         if kind != "generated":  # Inductor does not count an extern kernel's bytes (it takes 1e9 elements)
             reads, writes = _extern_bytes(node)
         out.append(Node(graph, kind, name, _origins(node), sum(reads.values()), sum(writes.values()),
-                        dict(reads), dict(writes)))
+                        dict(reads), dict(writes), {b: _buffer_dtype(b) for b in {**reads, **writes}}))
         for b in node.get_outputs():
             by_buffer[b.get_name()] = out[-1]
+
+
+def _buffer_dtype(name: str) -> str:
+    from torch._inductor.virtualized import V
+
+    try:
+        return str(V.graph.get_dtype(name)).replace("torch.", "")
+    except (KeyError, AttributeError):
+        return "?"
 
 
 def _extern_bytes(node) -> tuple[dict[str, int], dict[str, int]]:
@@ -318,8 +395,8 @@ def extract(cfg: BlockConfig = BlockConfig()) -> Extraction:
         return compile_fx(gm, example_inputs)
 
     sch.Scheduler.codegen = codegen
-    try:  # no cache: a cached graph is not scheduled again
-        with torch._inductor.config.patch(fx_graph_cache=False, fx_graph_remote_cache=False), \
+    try:  # no cache: a cached graph is not scheduled again; `aten.cat` lowered as on CUDA (CUDA_CAT)
+        with torch._inductor.config.patch(fx_graph_cache=False, fx_graph_remote_cache=False, force_pointwise_cat=CUDA_CAT), \
                 torch._functorch.config.patch(enable_autograd_cache=False):
             compiled = torch.compile(block, backend=count_graphs, fullgraph=True)
             compiled(x, rope).sum().backward()
@@ -339,9 +416,10 @@ def _size(box) -> int:
 
 def _eager_saved_bytes(block, x, rope) -> int:
     """Bytes autograd keeps for the block's backward, each storage once, the input and the parameters
-    excluded (what fsdp-sim's `saved_bytes` counts), seen by `saved_tensors_hooks`: eager autograd's
+    and the rotary table excluded (what fsdp-sim's `saved_bytes` counts), seen by `saved_tensors_hooks`: eager autograd's
     saves, or for a compiled block what AOTAutograd's Function saves (its `save_for_backward`)."""
-    skip = {x.untyped_storage().data_ptr()} | {p.untyped_storage().data_ptr() for p in block.parameters()}
+    tables = rope if isinstance(rope, tuple) else (rope,) if rope is not None else ()  # the model's, not the block's
+    skip = {t.untyped_storage().data_ptr() for t in (x, *tables)} | {p.untyped_storage().data_ptr() for p in block.parameters()}
     seen: dict[int, int] = {}
 
     def pack(t):
@@ -355,21 +433,31 @@ def _eager_saved_bytes(block, x, rope) -> int:
     return sum(seen.values())
 
 
-def terms(nbytes_by_buffer: dict[str, int], cfg: BlockConfig) -> dict[str, int]:
-    """Buffers' bytes as counts of the block's sizes: {"T*H bf16": 2, "T f32": 1, ...} (T tokens, H
-    hidden, KV the k / v width, F the MLP's width, S*D/2 the rotary table; weights as H*H, KV*H, F*H, H;
-    "?" where a size is none of those). `BlockConfig`'s defaults keep them apart."""
-    t, h, kv, f = cfg.tokens, cfg.hidden, cfg.kv_heads * cfg.head_dim, cfg.ffn
-    names = {t * h: "T*H", t * kv: "T*KV", t * f: "T*F", t: "T", t * cfg.heads: "T*heads", h * h: "H*H",
-             kv * h: "KV*H", f * h: "F*H", h: "H", cfg.seq * cfg.head_dim // 2: "S*D/2"}
+def size_names(cfg: BlockConfig) -> dict[int, str]:
+    """Element count -> the product of the block's sizes it is (T tokens, H hidden, Q heads x head_dim,
+    KV the k / v width, F the MLP's width, S the sequence, D the head_dim; weights as Q*H, KV*H, F*H;
+    biases and norm weights as H, Q, KV, F). In MHA KV = Q: the KV name stands for both."""
+    t, h, q, kv, f = cfg.tokens, cfg.hidden, cfg.q_dim, cfg.kv_heads * cfg.head_dim, cfg.ffn
+    return {t * h: "T*H", t * q: "T*Q", t * kv: "T*KV", t * f: "T*F", t: "T", t * cfg.heads: "T*heads",
+            q * h: "Q*H", kv * h: "KV*H", f * h: "F*H", h: "H", q: "Q", kv: "KV", f: "F",
+            cfg.seq * cfg.head_dim: "S*D"}  # the rotary table: cos or sin, or the complex one as float pairs
+
+
+def terms(nbytes_by_buffer: dict[str, int], cfg: BlockConfig, dtypes: dict[str, str] | None = None) -> dict[str, int]:
+    """Buffers' bytes as counts of the block's sizes: {"T*H bf16": 2, "T f32": 1, ...} ("?" where a
+    size is none of them), each buffer's element count read in its dtype (`dtypes`, Inductor's; a
+    complex64 buffer as float32 pairs, as `view_as_real` has it). Without `dtypes`, the first of bf16,
+    f32 that names a product."""
+    names = size_names(cfg)
     out: dict[str, int] = {}
-    for nbytes in nbytes_by_buffer.values():
-        for size, dtype in ((2, "bf16"), (4, "f32"), (8, "c64")):
-            if nbytes % size == 0 and nbytes // size in names:
-                key = f"{names[nbytes // size]} {dtype}"
-                break
-        else:
-            key = f"? {nbytes} B"
+    for buf, nbytes in nbytes_by_buffer.items():
+        dtype = (dtypes or {}).get(buf)
+        size, label = {"bfloat16": (2, "bf16"), "float32": (4, "f32"), "complex64": (4, "f32")}.get(dtype, (0, ""))
+        if not size:
+            size, label = next(((n, t) for n, t in ((2, "bf16"), (4, "f32")) if nbytes % n == 0 and nbytes // n in names),
+                               (0, ""))
+        key = f"{names[nbytes // size]} {label}" if size and nbytes % size == 0 and nbytes // size in names \
+            else f"? {nbytes} B"
         out[key] = out.get(key, 0) + 1
     return out
 

@@ -27,6 +27,9 @@ from fsdp_sim.dtypes import itemsize
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.workload.model import Kernel, Module, Workload, derived
 
+COMPILED_SAC = "compiled_selective_op"  # Workload.meta: the blocks torch.compile compiled under the op-level policy
+INDUCTOR_KERNEL = "inductor "  # how a compiled block's kernels from Inductor's table are named (compiled_block.py)
+
 MODES = ("none", "full", "selective_layer", "selective_op")
 
 
@@ -77,6 +80,19 @@ def op_policy(m: Module, p: int) -> Checkpoint:
     return Checkpoint(cache, shared, tuple(kernels))
 
 
+def compiled_op_policy(m: Module, p: int) -> Checkpoint:
+    """The op-level policy on a block torch.compile compiled with it (workload/compiled_block.py): the
+    partitioner follows the policy's tags, so the block keeps the compiled forward's saved set
+    (`m.saved_bytes`, the MUST_SAVE outputs the backward reads and what the policy cannot recompute)
+    from its forward to the end of its backward, nothing more; its backward graph reruns the GEMMs
+    the policy does not cache (their FLOPs: the recompute) with the recomputed memory-bound ops fused
+    into its own kernels (their bytes in the compiled backward's, not rerun here). Kernels added after
+    the table (torchao's float8 casts) rerun as the eager policy says: the table does not show them."""
+    kernels = tuple(replace(k, recompute=False) if k.name.startswith(INDUCTOR_KERNEL) else k
+                    for k in op_policy(m, p).recompute_kernels)
+    return Checkpoint(m.saved_bytes, m.saved_bytes, kernels)
+
+
 def checkpoint_plans(workload: Workload, mode: str, every: int) -> dict[str, Checkpoint]:
     """The checkpointed blocks of `workload` by name, each with how it runs (see the module docstring);
     remembered for the workload (`derived`), read-only."""
@@ -102,7 +118,8 @@ def _plans(workload: Workload, mode: str, every: int) -> dict[str, Checkpoint]:
                                 f"the ATen op they dispatch; {m.name} has {unknown[0] if unknown else 'no kernels'} "
                                 "without (dense blocks from dimensions or an HF config have them; mixture-of-experts and traced "
                                 "blocks do not)")
-    return {m.name: op_policy(m, p) for m in blocks}
+    compiled = set(workload.meta.get(COMPILED_SAC, ()))  # compiled under the policy (workload/compiled_block.py)
+    return {m.name: compiled_op_policy(m, p) if m.name in compiled else op_policy(m, p) for m in blocks}
 
 
 def ac_frequency(mode: str, every: int | None) -> int:

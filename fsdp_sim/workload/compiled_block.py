@@ -2,34 +2,56 @@
 
 torchtitan compiles each block on its own (`apply_compile`), so FSDP2's hooks stay outside the graph
 and a block is one forward and one backward graph. What Inductor makes of them is read from its own
-output (`compiled_block_data.py`, from `benchmarks/inductor_block.py` on torch 2.13):
+output (`compiled_block_data.py`, from `benchmarks/inductor_block.py --emit-all` on torch 2.13), for
+three block codes (`table_key`): torchtitan's Llama-3 block, transformers' Llama / Mistral / Qwen2
+decoder layer (`LlamaRMSNorm`'s upcast, rotate_half RoPE, `repeat_kv`), and a GPT-2 style block
+(LayerNorm, biased Linears, GELU, no rotary embedding), each grouped-query or multi-head, each without a
+checkpoint or under torchtitan's op-level selective policy, any head_dim (the tables were read with
+heads x head_dim != hidden, so every buffer names its own size):
 - GEMMs and SDPA stay library calls: priced as the eager block's (`block_kernels`).
-- Every memory-bound chain is what Inductor fused, no more: the RMSNorm with the residual add before
-  it (one reduction), SiLU x w3 (one pointwise kernel), the closing residual add, the GQA repeat of
-  k and v (a copy each, forward and again in backward); the backward's norm kernels (input gradient,
-  and both norms' weight gradients in one reduction). torchtitan's complex RoPE is not generated
-  ("Torchinductor does not support code generation for complex operators"): the upcast and the cast
-  back are generated kernels, the complex multiply stays an eager ATen kernel on fp32 data.
+- Every memory-bound chain is what Inductor fused, no more: the norm with the residual add before it
+  (one reduction), SiLU x w3 or GELU (one pointwise kernel), the closing residual add, the GQA repeat
+  of k and v (a copy each, forward and again in backward); the backward's norm kernels. torchtitan's
+  complex RoPE is not generated ("Torchinductor does not support code generation for complex
+  operators"): the upcast and the cast back are generated kernels, the complex multiply an eager ATen
+  kernel on fp32 data. transformers' rotate_half RoPE is generated: one pointwise kernel for q and one
+  for k (the slices, the negation, the concatenation and both multiplies fused), each reading the
+  projection and the cos / sin table once.
 - The saved set is the partitioner's: k and v before the repeat, no SiLU output (recomputed from w1's
-  output), wo's output in place of the residual sum (recomputed in the kernels that read it), no fp32
-  RoPE intermediates. Transients are Inductor's schedule played with each buffer freed after its last
-  reader (the compiled backward drops its saved inputs as it goes).
+  output), wo's output in place of the residual sum, no fp32 RoPE intermediates. Transients are
+  Inductor's schedule played with each buffer freed after its last reader.
+- Under torchtitan's op-level selective checkpoint the partitioner follows the policy's tags (MUST_SAVE
+  the odd mm outputs and SDPA's, recompute the rest inside the compiled backward): the block keeps the
+  table's saved set from its forward to the end of its backward, and its backward reruns the GEMMs the
+  policy does not cache (checkpointing.py `compiled_op_policy`); the recomputed memory-bound ops are
+  fused into the backward's kernels, whose bytes the table holds.
 
-Applies to the blocks the table describes: a SwiGLU MLP, RMSNorm, SDPA, no biases, no dropout, rotary
-positions, heads x head_dim = hidden, no tensor parallel, no adapters or frozen weights (those keep
-the eager block's kernels and bytes: `compiled_workload` leaves them as they are).
+Not read, so priced as before (every memory-bound chain one fused kernel at hand-written speed, the eager
+block's saved bytes: an approximation, named in the summary's software line, `compiled_note`):
+LoRA / QLoRA / frozen-base blocks (peft's adapters around a frozen Linear: the table's block has no
+lora_A / lora_B / dropout, and QLoRA's dequantize is a bitsandbytes call Dynamo cannot trace into),
+tensor-parallel blocks (the table has no DTensor redistributions; torchtitan compiles each block after
+`parallelize_module` with `fullgraph=True`, so the collectives are traced into the graph, not broken at,
+but the table was not read with them), mixture-of-experts blocks, Gemma / Phi-3 / GPT-NeoX / Qwen3
+blocks (their norms, fused projections, partial rotary or QK-norms), dropout, eager attention, vision
+towers, and blocks under full or per-layer checkpointing (kernels from the table, the eager block's
+bytes and checkpoint plan: with torchtitan's full checkpoint the compiled backward's peak is the eager
+block's saved bytes and backward transient within 2 %, tests/test_compiled_block.py).
 """
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import replace
 
 from fsdp_sim.workload import compiled_block_data as data
+from fsdp_sim.workload.checkpointing import COMPILED_SAC, INDUCTOR_KERNEL
 from fsdp_sim.workload.kernels import block_kernels
 from fsdp_sim.workload.model import Kernel, Module, Workload
 from fsdp_sim.workload.transformer import BLOCK_RECIPE, TransformerDims
 
-REDUCTION_OPS = ("mean", "sum")  # a generated kernel with these reduces rows (priced by its row width)
+REDUCTION_OPS = ("mean", "sum", "var_mean")  # a generated kernel with these reduces rows (priced by its row width)
 # Mix-order reduction (pytorch/pytorch PR #165370, merged 2025-10-13, after 2.9's branch cut: torch 2.10 on;
 # per norm since PR #168209): on a GPU Triton backend each norm's weight gradient (a reduction over the
 # tokens) is fused into its input gradient's kernel (a reduction over hidden), which reads the same
@@ -40,22 +62,48 @@ MIX_ORDER_FROM = (2, 10)
 MIX_ORDER_MIN_NUMEL = 5 * 2**20
 
 
-def _sizes(d: TransformerDims, tok: int, s: int, p: int) -> dict[str, int]:
-    h, kv, f = d.hidden, d.kv * d.head_dim, d.ffn
-    return {"TH": tok * h * p, "TKV": tok * kv * p, "TF": tok * f * p, "T_f32": tok * 4, "Theads_f32": tok * d.heads * 4,
-            "TH_f32": tok * h * 4, "TKV_f32": tok * kv * 4, "H": h * p, "HH": h * h * p, "KVH": kv * h * p, "FH": f * h * p,
-            "SD2_c64": s * d.head_dim // 2 * 8}  # the complex rotary table (the model's; the backward clones it)
+TABLE_STYLES = {"torchtitan": "torchtitan Llama", "hf_llama": "transformers Llama", "gpt": "GPT-2 style"}
+HF_LLAMA = ("llama", "mistral", "qwen2")  # transformers' model types whose decoder layer is Llama's code
+_FACTOR = re.compile(r"heads|KV|[THQFSD]")
 
 
-def _table(d: TransformerDims):
-    return (data.KERNELS_MHA, data.SAVED_MHA, data.OUTPUTS_MHA) if d.kv == d.heads else \
-        (data.KERNELS_GQA, data.SAVED_GQA, data.OUTPUTS_GQA)
+def _sizes(d: TransformerDims, tok: int, s: int, p: int, symbols) -> dict[str, int]:
+    """Bytes of each size symbol the table uses ("TKV_f32": tokens x kv width x 4 bytes, "QH": the wq
+    weight in the activation dtype, ...)."""
+    dims = {"T": tok, "H": d.hidden, "Q": d.q_dim, "KV": d.kv * d.head_dim, "F": d.ffn, "S": s, "D": d.head_dim,
+            "heads": d.heads}
+    out = {}
+    for sym in symbols:
+        base, _, dtype = sym.partition("_")
+        out[sym] = math.prod(dims[f] for f in _FACTOR.findall(base)) * (4 if dtype == "f32" else p)
+    return out
 
 
-def applies(d: TransformerDims, tp: int = 1) -> bool:
-    """Whether `d`'s block is the one the table was read from."""
-    return (d.mlp == "swiglu" and d.norm == "rmsnorm" and d.attention == "sdpa" and not d.bias and not d.dropout
-            and not d.learned_pos and d.q_dim == d.hidden and tp == 1)
+def _symbols(kernels) -> set[str]:
+    return {size for row in kernels for _, size in row[3] + row[4]}
+
+
+def table_key(d: TransformerDims, meta: dict, *, checkpoint: str = "none") -> tuple[tuple[str, str, str] | None, str]:
+    """(the table describing `d`'s block, or None; why not). `meta`: the workload's (an HF config's
+    model type picks transformers' code path); `checkpoint` the run's activation checkpointing."""
+    source = meta.get("model_type") if meta.get("source") == "hf_config" else None
+    ck = "selective_op" if checkpoint == "selective_op" else "none"
+    if source is not None and source not in (*HF_LLAMA, "gpt2"):  # Gemma's norms, Phi-3's fused projections, ...
+        return None, f"{source} blocks"
+    if d.attention != "sdpa" or d.dropout:
+        return None, "eager attention" if d.attention != "sdpa" else "dropout"
+    if d.mlp == "swiglu" and d.norm == "rmsnorm" and not d.bias and not d.learned_pos:
+        style = "hf_llama" if source is not None else "torchtitan"
+    elif d.mlp == "gelu" and d.norm == "layernorm" and d.bias and d.learned_pos and d.kv == d.heads:
+        style = "gpt"
+    else:
+        return None, f"{source or 'these'} blocks ({d.mlp}, {d.norm}{', biases' if d.bias else ''})"
+    return (style, "mha" if d.kv == d.heads else "gqa", ck), ""
+
+
+def _table(d: TransformerDims, key: tuple[str, str, str] | None):
+    """The table `key` names; None: torchtitan's block without a checkpoint, `d`'s attention."""
+    return data.TABLES[key or ("torchtitan", "mha" if d.kv == d.heads else "gqa", "none")]
 
 
 def mix_order_fusion(d: TransformerDims, tokens: int, torch_version: tuple[int, ...]) -> bool:
@@ -64,7 +112,7 @@ def mix_order_fusion(d: TransformerDims, tokens: int, torch_version: tuple[int, 
         and tokens >= 2 * d.hidden
 
 
-def compiled_kernels(d: TransformerDims, b: int, s: int, p: int, *, causal: bool,
+def compiled_kernels(d: TransformerDims, b: int, s: int, p: int, *, causal: bool, key: tuple[str, str, str] | None = None,
                      torch_version: tuple[int, ...] = (2, 13)) -> tuple[Kernel, ...]:
     """The block's kernels under torch.compile: the eager block's GEMMs and attention, then each kernel
     Inductor generates (`inductor_reduction` / `inductor_pointwise`) and each eager ATen kernel it
@@ -72,16 +120,18 @@ def compiled_kernels(d: TransformerDims, b: int, s: int, p: int, *, causal: bool
     forward bytes, backward ones with backward bytes. The forward's last kernel (the closing residual
     add) comes after the last saved tensor: a checkpoint's recompute stops before it. Where mix-order
     reduction fuses the norms' weight gradients into their input gradients' kernels (`mix_order_fusion`),
-    their kernel of their own is gone: its reads are those kernels' reads, its writes a hidden-sized row."""
-    sizes = _sizes(d, b * s, s, p)
+    their kernel of their own is gone: its reads are those kernels' reads, its writes a hidden-sized row.
+    `key`: the table (`table_key`; None: torchtitan's block without a checkpoint)."""
+    kernels, _, _ = _table(d, key)
+    sizes = _sizes(d, b * s, s, p, _symbols(kernels))
     mix_order = mix_order_fusion(d, b * s, torch_version)
-    kernels, _, _ = _table(d)
     out = [k for k in block_kernels(d, b, s, p, causal=causal) if k.kind in ("gemm", "attention")]
     last_forward = max(i for i, row in enumerate(kernels) if row[0] == "forward" and row[1] == "generated")
     for i, (graph, kind, ops, reads, writes) in enumerate(kernels):
-        if kind == "view" or ops.startswith(("aten.mm", "aten._scaled_dot_product")):
+        if kind == "view" or ops.startswith(("aten.mm", "aten.addmm", "aten._scaled_dot_product")):  # priced as eager
             continue
-        if mix_order and graph == "backward" and all(size == "H" for _, size in writes):
+        if mix_order and graph == "backward" and all(size == "H" for _, size in writes) \
+                and any(size == "T_f32" for _, size in reads):  # a norm's weight (and bias) gradient, not a Linear's bias
             continue
         nbytes = sum(sizes[size] for _, size in reads + writes)
         if kind == "generated":
@@ -91,7 +141,7 @@ def compiled_kernels(d: TransformerDims, b: int, s: int, p: int, *, causal: bool
             kind_, shape = "elementwise", ()
         fwd = graph == "forward"
         label = "+".join(op for op in ops.split("+") if not op.startswith("_scaled_dot_product"))  # origin names only
-        out.append(Kernel(f"inductor {graph} {label}", kind_, shape, bytes=nbytes if fwd else 0,
+        out.append(Kernel(f"{INDUCTOR_KERNEL}{graph} {label}", kind_, shape, bytes=nbytes if fwd else 0,
                           bwd_bytes=0 if fwd else nbytes, launches=int(fwd), bwd_launches=int(not fwd),
                           recompute=fwd and i != last_forward))
     return tuple(out)
@@ -137,50 +187,71 @@ def walk_schedule(rows, graph: str, sizes: dict[str, int], start: dict[str, int]
     return peak - begin, level - begin, tensors
 
 
-def compiled_activations(d: TransformerDims, b: int, s: int, p: int) -> tuple[int, int, int, int]:
+def compiled_activations(d: TransformerDims, b: int, s: int, p: int,
+                         key: tuple[str, str, str] | None = None) -> tuple[int, int, int, int]:
     """(saved, forward transient, backward transient, tensors at the backward's peak) bytes of the
     compiled block (the backward's peak is several tensors, which the caching allocator places one
     by one: `Module.bwd_temp_parts`): the partitioner's
-    saved set less the view of the model's rotary table; the forward's peak above its end state (its
+    saved set less views of the model's rotary table; the forward's peak above its end state (its
     output and saved set); the backward's peak above its start (saved set and output gradient), with
-    its weight gradients and its input's gradient counted as Inductor allocates them."""
-    sizes = _sizes(d, b * s, s, p)
-    kernels, saved, outputs = _table(d)
+    its weight gradients and its input's gradient counted as Inductor allocates them. Under the
+    selective policy's table the backward's peak includes what it recomputes."""
+    kernels, saved, outputs = _table(d, key)
+    sizes = _sizes(d, b * s, s, p, _symbols(kernels))
     size_of = {name: size for row in kernels for name, size in row[3] + row[4]}
-    # `_conj` (the rotary table's conjugate) is a view of the model's table: not the block's bytes
-    saved_bytes = sum(sizes[size_of[name]] for name in saved if size_of[name] != "SD2_c64")
+    # `_conj` (the complex table's conjugate), cos / sin slices: views of the model's table, not the block's
+    saved_bytes = sum(sizes[size_of[name]] for name in saved if not size_of[name].startswith("SD"))
     peak, end, _ = walk_schedule(kernels, "forward", sizes, {}, set(outputs["forward"]))
     start = {name: sizes[size_of[name]] for name in saved} | {"tangents_1": sizes["TH"]}
     bwd_peak, _, tensors = walk_schedule(kernels, "backward", sizes, start, set(outputs["backward"]))
     return saved_bytes, peak - end, bwd_peak, max(tensors, 1)
 
 
-def compiled_workload(wl: Workload, tp: int = 1, *, checkpointed: bool = False,
+def compiled_note(key: tuple[str, str, str] | None, reason: str) -> str:
+    """What the summary's software line says of the compiled blocks."""
+    if key is not None:
+        style, attn, ck = key
+        return (f"Inductor's kernels and saved set read from torch 2.13 ({TABLE_STYLES[style]} block, {attn.upper()}"
+                f"{', op-level selective checkpoint' if ck != 'none' else ''})")
+    return (f"{reason}: not in Inductor's table, every memory-bound chain one fused kernel at hand-written speed "
+            f"(an approximation)")
+
+
+def compiled_workload(wl: Workload, tp: int = 1, *, checkpoint: str = "none", adapted: bool = False,
                       torch_version: tuple[int, ...] = (2, 13)) -> Workload:
     """`wl` with its dense transformer blocks as Inductor compiles them (kernels, saved bytes, transients);
     anything else (the embedding, final norm, head and loss, which torchtitan leaves eager or compiles
-    apart, and blocks the table does not describe) as it was. `checkpointed` (activation checkpointing
-    on): the kernels only. Under a checkpoint the partitioner saves what the checkpoint's policy tags
-    (the block's input; a selective policy's MUST_SAVE outputs) and recomputes inside the compiled
-    backward, which the table, read from a block without one, does not show: the eager block's bytes
-    and the checkpoint plans (checkpointing.py) stay. With torchtitan's full checkpoint the compiled
-    backward's peak is the eager block's saved bytes and backward transient within 2 %, the table's
-    10 % short (tests/test_compiled_block.py, compiled on torch 2.13); a selective policy's was not read."""
+    apart, and blocks the table does not describe: `table_key`) as it was, the reason in
+    `meta["compiled_blocks"]`. `checkpoint` (the run's activation checkpointing): `selective_op` the
+    table read under torchtitan's op-level policy, its saved set the checkpoint's cache
+    (checkpointing.py `compiled_op_policy`); `full` / `selective_layer` the kernels only: the
+    partitioner saves the block's input and recomputes inside the compiled backward, whose peak is the
+    eager block's saved bytes and backward transient within 2 % (tests/test_compiled_block.py), so the
+    eager bytes and checkpoint plans stay. `adapted`: LoRA / QLoRA / frozen-base blocks, not read."""
     recipe = wl.meta.get(BLOCK_RECIPE)
-    if recipe is None:
-        return wl
+    meta = wl.meta | {"torch_compile": True}
+    if adapted or recipe is None or tp > 1 or recipe.get("norm_tokens") is not None:
+        reason = ("LoRA / frozen-base blocks" if adapted else "tensor-parallel blocks" if tp > 1 or recipe
+                  and recipe.get("norm_tokens") is not None else "blocks without a transformer recipe")
+        return replace(wl, meta=meta | {"compiled_blocks": compiled_note(None, reason)})
     d = TransformerDims(**recipe["dims"])
-    if not applies(d, tp) or recipe.get("norm_tokens") is not None:
-        return wl
+    key, reason = table_key(d, wl.meta, checkpoint=checkpoint)
+    if key is None:
+        return replace(wl, meta=meta | {"compiled_blocks": compiled_note(None, reason)})
     b, s, p = recipe["micro_batch"], recipe["seq_len"], recipe["bytes"]
     eager = block_kernels(d, b, s, p, causal=True)
-    kernels = compiled_kernels(d, b, s, p, causal=True, torch_version=torch_version)
-    saved, fwd_temp, bwd_temp, parts = compiled_activations(d, b, s, p)
+    kernels = compiled_kernels(d, b, s, p, causal=True, key=key, torch_version=torch_version)
+    saved, fwd_temp, bwd_temp, parts = compiled_activations(d, b, s, p, key)
+    bytes_too = checkpoint in ("none", "selective_op")
     modules: list[Module] = []
+    compiled: list[str] = []
     for m in wl.modules:
         if m.is_block and m.kernels == eager:
-            m = replace(m, kernels=kernels) if checkpointed else \
-                replace(m, kernels=kernels, saved_bytes=saved, fwd_temp_bytes=fwd_temp, bwd_temp_bytes=bwd_temp,
-                        bwd_temp_parts=parts)
+            compiled.append(m.name)
+            m = replace(m, kernels=kernels, saved_bytes=saved, fwd_temp_bytes=fwd_temp, bwd_temp_bytes=bwd_temp,
+                        bwd_temp_parts=parts) if bytes_too else replace(m, kernels=kernels)
         modules.append(m)
-    return replace(wl, modules=tuple(modules), meta=wl.meta | {"torch_compile": True})
+    note = compiled_note(key, "") if compiled else compiled_note(None, "blocks whose kernels the table does not "
+                                                                 "describe (mixture-of-experts, extra biases or norms)")
+    extra = {COMPILED_SAC: tuple(compiled)} if key[2] == "selective_op" else {}
+    return replace(wl, modules=tuple(modules), meta=meta | {"compiled_blocks": note} | extra)
