@@ -60,7 +60,8 @@ def test_the_table_is_what_inductor_compiles(key):
     cfg = BlockConfig(batch=3, style=style, kv_heads=1 if attn == "gqa" else 4, checkpoint=ck)
     e = extract(cfg)
     assert e.graphs == 1  # one Dynamo graph: no break inside the block
-    assert e.compiled_saved_bytes == e.saved_bytes()  # what autograd's hooks see the compiled Function save
+    # what autograd's hooks see the compiled Function save (they skip the model's rotary table)
+    assert e.compiled_saved_bytes == e.saved_bytes() - _rope_views(e)
     d = _dims(cfg)
     saved, fwd_temp, bwd_peak, _ = compiled_activations(d, cfg.batch, cfg.seq, 2, key)
     assert saved == e.saved_bytes() - _rope_views(e)
@@ -84,14 +85,15 @@ def test_the_table_is_what_inductor_compiles(key):
 
 
 @pytest.mark.slow
-def test_under_full_checkpointing_the_compiled_backward_recomputes_what_eager_bytes_say():
+@pytest.mark.parametrize("head_dim", [64, 48])  # heads x head_dim = hidden, and not
+def test_under_full_checkpointing_the_compiled_backward_recomputes_what_eager_bytes_say(head_dim):
     """torchtitan's full checkpoint inside the compiled block: the partitioner saves nothing but the
     block's input (and the RNG state), and the compiled backward's peak (its recompute and the gradients, fused) is what
-    the eager block's saved bytes and backward transient add up to, within 2 %, where the no-checkpoint
-    table's would be 10 % short: why `compiled_workload(checkpoint="full")` keeps the eager bytes."""
+    the eager block's saved bytes and backward transient add up to, within 2.5 % (0.7 % and 2.3 % here), where the
+    no-checkpoint table's would be 9-10 % short: why `compiled_workload(checkpoint="full")` keeps the eager bytes."""
     pytest.importorskip("torch")
     from fsdp_sim.torch_tools.inductor_block import BlockConfig, extract
-    cfg = BlockConfig(batch=3, checkpoint="full")
+    cfg = BlockConfig(batch=3, checkpoint="full", head_dim=head_dim)
     e = extract(cfg)
     # nothing but the input (a `primals`) and the generator's state (5,056 B of the CPU's Mersenne
     # twister; the CUDA generator's seed and offset are 16 B)
@@ -99,7 +101,7 @@ def test_under_full_checkpointing_the_compiled_backward_recomputes_what_eager_by
     d = _dims(cfg)
     eager = block_activations(d, cfg.batch, cfg.seq, 2)
     peak = e.transient("backward")[0]
-    assert eager.saved + eager.bwd_temp == pytest.approx(peak, rel=0.02)
+    assert eager.saved + eager.bwd_temp == pytest.approx(peak, rel=0.025)
     saved, _, bwd, _ = compiled_activations(d, cfg.batch, cfg.seq, 2)
     assert saved + bwd < 0.92 * peak
 

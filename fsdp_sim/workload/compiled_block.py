@@ -36,7 +36,7 @@ but the table was not read with them), mixture-of-experts blocks, Gemma / Phi-3 
 blocks (their norms, fused projections, partial rotary or QK-norms), dropout, eager attention, vision
 towers, and blocks under full or per-layer checkpointing (kernels from the table, the eager block's
 bytes and checkpoint plan: with torchtitan's full checkpoint the compiled backward's peak is the eager
-block's saved bytes and backward transient within 2 %, tests/test_compiled_block.py).
+block's saved bytes and backward transient within 2.5 %, tests/test_compiled_block.py).
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def compiled_workload(wl: Workload, tp: int = 1, *, checkpoint: str = "none", ad
     table read under torchtitan's op-level policy, its saved set the checkpoint's cache
     (checkpointing.py `compiled_op_policy`); `full` / `selective_layer` the kernels only: the
     partitioner saves the block's input and recomputes inside the compiled backward, whose peak is the
-    eager block's saved bytes and backward transient within 2 % (tests/test_compiled_block.py), so the
+    eager block's saved bytes and backward transient within 2.5 % (tests/test_compiled_block.py), so the
     eager bytes and checkpoint plans stay. `adapted`: LoRA / QLoRA / frozen-base blocks, not read."""
     recipe = wl.meta.get(BLOCK_RECIPE)
     meta = wl.meta | {"torch_compile": True}
