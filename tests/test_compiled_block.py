@@ -278,3 +278,14 @@ def test_selective_op_compile_on_the_published_run_lowers_memory_and_the_recompu
     before = simulate(replace(sc, workload=eager_plan))
     assert run.peak()["allocated_bytes"] < before.peak()["allocated_bytes"]
     assert run.step_time_s < before.step_time_s
+
+
+@pytest.mark.slow
+def test_tensor_parallel_then_compile_is_one_graph():
+    """torchtitan compiles each block after `parallelize_module`: Dynamo traces the DTensor hooks and
+    redistributions into the graph (functional collectives), no graph break, no recompile over two steps.
+    What the table lacks for a TP block is those collectives and the sharded shapes: why TP blocks keep
+    the old path (compiled_block.py)."""
+    pytest.importorskip("torch")
+    from fsdp_sim.torch_tools.inductor_block import BlockConfig, graphs_under_tensor_parallel
+    assert graphs_under_tensor_parallel(BlockConfig(batch=3, kv_heads=2)) == 1

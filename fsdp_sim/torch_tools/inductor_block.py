@@ -41,7 +41,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise ImportError("fsdp_sim.torch_tools needs PyTorch; pip install torch==2.13.0") from exc
 
-__all__ = ["STYLES", "CHECKPOINTS", "BlockConfig", "LlamaBlock", "Node", "Extraction", "extract", "terms"]
+__all__ = ["STYLES", "CHECKPOINTS", "BlockConfig", "LlamaBlock", "graphs_under_fully_shard", "graphs_under_tensor_parallel", "Node", "Extraction", "extract", "terms"]
 
 
 STYLES = ("torchtitan", "hf_llama", "gpt")
@@ -462,13 +462,12 @@ def terms(nbytes_by_buffer: dict[str, int], cfg: BlockConfig, dtypes: dict[str, 
     return out
 
 
-def graphs_under_fully_shard(cfg: BlockConfig = BlockConfig(), steps: int = 2) -> int:
-    """Dynamo graphs made over `steps` forward and backward passes of a block compiled as torchtitan
-    does it (`torch.compile(block, fullgraph=True)`, then `fully_shard` on the compiled module, bf16
-    parameters), on a two-rank fake process group: 1 when FSDP2's hooks stay outside the compiled
-    region (no graph break) and unsharding does not recompile it."""
+def _graphs_on_fake_ranks(cfg: BlockConfig, prepare, steps: int = 2) -> int:
+    """Dynamo graphs made over `steps` forward and backward passes of `LlamaBlock(cfg)` after
+    `prepare(block, mesh)` (which compiles it as torchtitan does), on a two-rank fake process group."""
+    import torch._dynamo
     import torch.distributed as dist
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -484,10 +483,8 @@ def graphs_under_fully_shard(cfg: BlockConfig = BlockConfig(), steps: int = 2) -
         return compile_fx(gm, example_inputs)
 
     try:
-        import torch._dynamo
         torch._dynamo.reset()
-        block = torch.compile(LlamaBlock(cfg), backend=backend, fullgraph=True)
-        fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=_dtype(cfg.dtype)))
+        block = prepare(LlamaBlock(cfg), init_device_mesh("cpu", (2,)), backend)
         x = torch.randn(cfg.batch, cfg.seq, cfg.hidden, dtype=_dtype(cfg.dtype), requires_grad=True)
         rope = rope_table(cfg)
         for _ in range(steps):
@@ -495,3 +492,35 @@ def graphs_under_fully_shard(cfg: BlockConfig = BlockConfig(), steps: int = 2) -
     finally:
         dist.destroy_process_group()
     return len(graphs)
+
+
+def graphs_under_fully_shard(cfg: BlockConfig = BlockConfig(), steps: int = 2) -> int:
+    """Dynamo graphs made over `steps` forward and backward passes of a block compiled as torchtitan
+    does it (`torch.compile(block, fullgraph=True)`, then `fully_shard` on the compiled module, bf16
+    parameters), on a two-rank fake process group: 1 when FSDP2's hooks stay outside the compiled
+    region (no graph break) and unsharding does not recompile it."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    def prepare(block, mesh, backend):
+        block = torch.compile(block, backend=backend, fullgraph=True)
+        fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=_dtype(cfg.dtype)))
+        return block
+    return _graphs_on_fake_ranks(cfg, prepare, steps)
+
+
+def graphs_under_tensor_parallel(cfg: BlockConfig = BlockConfig(kv_heads=2), steps: int = 2) -> int:
+    """Dynamo graphs of a block tensor-parallel over two ranks as torchtitan orders it (`parallelize_module`
+    first -- q / k / v / w1 / w3 colwise, wo / w2 rowwise, no sequence parallel -- then
+    `torch.compile(block, fullgraph=True)`): 1 when Dynamo traces the DTensor hooks (`from_local`,
+    the redistributions, which lower to functional collectives) into the graph instead of breaking at
+    them. Each rank's block then views its own heads (heads / 2, kv_heads / 2)."""
+    from dataclasses import replace as replace_
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def prepare(block, mesh, backend):
+        block, col, row = block.to(_dtype(cfg.dtype)), ColwiseParallel(), RowwiseParallel()
+        parallelize_module(block, mesh, {"wq": col, "wk": col, "wv": col, "wo": row, "w1": col, "w2": row,
+                                         **({"w3": col} if block.w3 is not None else {})})
+        block.cfg = replace_(cfg, heads=cfg.heads // 2, kv_heads=cfg.kv_heads // 2)
+        return torch.compile(block, backend=backend, fullgraph=True)
+    return _graphs_on_fake_ranks(cfg, prepare, steps)

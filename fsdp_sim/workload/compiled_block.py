@@ -29,9 +29,10 @@ heads x head_dim != hidden, so every buffer names its own size):
 Not read, so priced as before (every memory-bound chain one fused kernel at hand-written speed, the eager
 block's saved bytes: an approximation, named in the summary's software line, `compiled_note`):
 LoRA / QLoRA / frozen-base blocks (peft's adapters around a frozen Linear: the table's block has no
-lora_A / lora_B / dropout, and QLoRA's dequantize is a bitsandbytes call Dynamo cannot trace into),
+lora_A / lora_B / dropout, and QLoRA's dequantize stays a bitsandbytes kernel, not one Inductor generates),
 tensor-parallel blocks (the table has no DTensor redistributions; torchtitan compiles each block after
-`parallelize_module` with `fullgraph=True`, so the collectives are traced into the graph, not broken at,
+`parallelize_module` with `fullgraph=True`, and Dynamo traces the DTensor hooks and redistributions into the graph,
+no graph break (tests/test_compiled_block.py `test_tensor_parallel_then_compile_is_one_graph`),
 but the table was not read with them), mixture-of-experts blocks, Gemma / Phi-3 / GPT-NeoX / Qwen3
 blocks (their norms, fused projections, partial rotary or QK-norms), dropout, eager attention, vision
 towers, and blocks under full or per-layer checkpointing (kernels from the table, the eager block's
