@@ -5,7 +5,7 @@ this output for every block the simulator prices compiled (`--emit-all` writes i
 one core).
 
     python benchmarks/inductor_block.py [--style torchtitan|hf_llama|gpt] [--kv-heads 1|4]
-                                        [--checkpoint none|full|selective_op]
+                                        [--checkpoint none|full|selective_op] [--lora-rank R]
     python benchmarks/inductor_block.py --emit-all > fsdp_sim/workload/compiled_block_data.py
 
 T tokens, H hidden, Q heads x head_dim, KV the k / v projections' width, F the MLP's width, S the
@@ -36,13 +36,15 @@ def main() -> None:
     ap.add_argument("--style", default="torchtitan", choices=STYLES)
     ap.add_argument("--kv-heads", type=int, default=1, help="1: grouped-query (k, v repeated); 4: multi-head")
     ap.add_argument("--checkpoint", default="none", choices=CHECKPOINTS)
+    ap.add_argument("--lora-rank", type=int, default=0, help="peft LoRA on q / k / v / o, dropout 0.05, the rest frozen")
     ap.add_argument("--emit-all", action="store_true", help="print compiled_block_data.py, every table")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     if args.emit_all:
         emit_all()
         return
-    cfg = BlockConfig(style=args.style, batch=3, kv_heads=args.kv_heads, checkpoint=args.checkpoint)
+    cfg = BlockConfig(style=args.style, batch=3, kv_heads=args.kv_heads, checkpoint=args.checkpoint,
+                      lora_rank=args.lora_rank)
     e = extract(cfg)
     print(f"{args.style} block, T={cfg.tokens} H={cfg.hidden} heads={cfg.heads} head_dim={cfg.head_dim} "
           f"kv_heads={cfg.kv_heads} F={cfg.ffn}, {cfg.dtype}, checkpoint {cfg.checkpoint}; Dynamo graphs: {e.graphs}")
@@ -61,7 +63,7 @@ def main() -> None:
             print(f"  live buffers: peak {peak} B above the start (saved set and output gradient)")
     print("\nsaved for backward (the backward graph's inputs but the output's gradient):")
     for name, shape, dtype in e.saved:
-        nbytes = math.prod(shape) * {"bfloat16": 2, "float32": 4, "complex64": 8}.get(dtype, 0)
+        nbytes = math.prod(shape) * {"bfloat16": 2, "float32": 4, "complex64": 8, "bool": 1}.get(dtype, 0)
         print(f"  {name:12s} {str(shape):22s} {dtype:9s} {_show(terms({name: nbytes}, cfg, {name: dtype}))}")
     print(f"\nsaved activations (the block's input and parameters excluded): {e.saved_bytes()} B; "
           f"autograd's saved-tensor hooks see the compiled block keep {e.compiled_saved_bytes} B; "

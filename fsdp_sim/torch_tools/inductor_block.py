@@ -74,6 +74,8 @@ class BlockConfig:
     head_dim: int = 48
     checkpoint: str = "none"
     norm_eps: float = 1e-5
+    lora_rank: int = 0  # > 0: peft LoRA on q / k / v / o (alpha 2 x rank, dropout `lora_dropout`), the rest frozen
+    lora_dropout: float = 0.05
 
     def __post_init__(self) -> None:
         if self.style not in STYLES or self.checkpoint not in CHECKPOINTS:
@@ -126,6 +128,20 @@ class HFRMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class LoraLinear(nn.Module):
+    """peft's `lora.Linear.forward` around a frozen base: `base_layer(x) + lora_B(lora_A(dropout(x))) * scaling`."""
+
+    def __init__(self, base: nn.Linear, rank: int, dropout: float) -> None:
+        super().__init__()
+        self.base_layer, self.scaling = base.requires_grad_(False), 2.0  # lora_alpha = 2 x rank
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False)
+        self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+
 class LlamaBlock(nn.Module):
     """One pre-norm block in `cfg.style`'s code: h = x + wo(sdpa(rope(wq n1), rope(wk n1), wv n1)),
     out = h + w2(mlp(n2)), k and v repeated to every head where kv_heads < heads (module names are
@@ -143,6 +159,10 @@ class LlamaBlock(nn.Module):
         self.wv, self.wo = nn.Linear(h, kv, bias=bias), nn.Linear(q, h, bias=bias)
         self.w1, self.w2 = nn.Linear(h, f, bias=bias), nn.Linear(f, h, bias=bias)
         self.w3 = None if cfg.style == "gpt" else nn.Linear(h, f, bias=False)
+        if cfg.lora_rank:  # peft's get_peft_model: every parameter frozen, adapters on the attention projections
+            self.requires_grad_(False)
+            for name in ("wq", "wk", "wv", "wo"):
+                setattr(self, name, LoraLinear(getattr(self, name), cfg.lora_rank, cfg.lora_dropout))
 
     def attention(self, x, rope):
         cfg = self.cfg
@@ -435,12 +455,13 @@ def _eager_saved_bytes(block, x, rope) -> int:
 
 def size_names(cfg: BlockConfig) -> dict[int, str]:
     """Element count -> the product of the block's sizes it is (T tokens, H hidden, Q heads x head_dim,
-    KV the k / v width, F the MLP's width, S the sequence, D the head_dim; weights as Q*H, KV*H, F*H;
+    KV the k / v width, F the MLP's width, S the sequence, D the head_dim, R a LoRA rank; weights as Q*H, KV*H, F*H;
     biases and norm weights as H, Q, KV, F). In MHA KV = Q: the KV name stands for both."""
     t, h, q, kv, f = cfg.tokens, cfg.hidden, cfg.q_dim, cfg.kv_heads * cfg.head_dim, cfg.ffn
     return {t * h: "T*H", t * q: "T*Q", t * kv: "T*KV", t * f: "T*F", t: "T", t * cfg.heads: "T*heads",
             q * h: "Q*H", kv * h: "KV*H", f * h: "F*H", h: "H", q: "Q", kv: "KV", f: "F",
-            cfg.seq * cfg.head_dim: "S*D"}  # the rotary table: cos or sin, or the complex one as float pairs
+            cfg.seq * cfg.head_dim: "S*D",  # the rotary table: cos or sin, or the complex one as float pairs
+            **({t * r: "T*R", r * h: "R*H", r * q: "R*Q", r * kv: "R*KV"} if (r := cfg.lora_rank) else {})}
 
 
 def terms(nbytes_by_buffer: dict[str, int], cfg: BlockConfig, dtypes: dict[str, str] | None = None) -> dict[str, int]:
@@ -452,7 +473,8 @@ def terms(nbytes_by_buffer: dict[str, int], cfg: BlockConfig, dtypes: dict[str, 
     out: dict[str, int] = {}
     for buf, nbytes in nbytes_by_buffer.items():
         dtype = (dtypes or {}).get(buf)
-        size, label = {"bfloat16": (2, "bf16"), "float32": (4, "f32"), "complex64": (4, "f32")}.get(dtype, (0, ""))
+        size, label = {"bfloat16": (2, "bf16"), "float32": (4, "f32"), "complex64": (4, "f32"),
+                       "bool": (1, "bool")}.get(dtype, (0, ""))
         if not size:
             size, label = next(((n, t) for n, t in ((2, "bf16"), (4, "f32")) if nbytes % n == 0 and nbytes // n in names),
                                (0, ""))

@@ -28,8 +28,12 @@ heads x head_dim != hidden, so every buffer names its own size):
 
 Not read, so priced as before (every memory-bound chain one fused kernel at hand-written speed, the eager
 block's saved bytes: an approximation, named in the summary's software line, `compiled_note`):
-LoRA / QLoRA / frozen-base blocks (peft's adapters around a frozen Linear: the table's block has no
-lora_A / lora_B / dropout, and QLoRA's dequantize stays a bitsandbytes kernel, not one Inductor generates),
+LoRA / QLoRA / frozen-base blocks (QLoRA's dequantize stays a bitsandbytes kernel, not one Inductor
+generates; `benchmarks/inductor_block.py --lora-rank 8` shows what Inductor makes of peft's LoRA on q / k
+/ v / o with dropout 0.05: one graph; each target's dropout mask an Inductor random kernel, the three
+masks of the norm's output and their dropped copies written by the norm's own kernel; each adapter's
+scale and add fused into the kernel after it (the RoPE upcast, the residual add); saved: the bool masks,
+the dropped inputs, lora_A's outputs, 35 % below eager's saves -- not yet a table the LoRA path applies),
 tensor-parallel blocks (the table has no DTensor redistributions; torchtitan compiles each block after
 `parallelize_module` with `fullgraph=True`, and Dynamo traces the DTensor hooks and redistributions into the graph,
 no graph break (tests/test_compiled_block.py `test_tensor_parallel_then_compile_is_one_graph`),
