@@ -22,7 +22,8 @@ from fsdp_sim.hardware.profiles import load_profile
 from fsdp_sim.scenario import parse_scenario
 from fsdp_sim.simulate import simulate
 from fsdp_sim.workload.checkpointing import COMPILED_SAC, compiled_op_policy
-from fsdp_sim.workload.compiled_block import compiled_activations, compiled_kernels, table_key
+from fsdp_sim.workload.compiled_block import (MIX_ORDER_MIN_NUMEL, compiled_activations, compiled_kernels,
+                                            mix_order_fusion, table_key)
 from fsdp_sim.workload.compiled_block_data import TABLES
 from fsdp_sim.workload.kernels import block_kernels
 from fsdp_sim.workload.model import Module
@@ -166,17 +167,22 @@ def test_compile_on_llama3_8b_shortens_the_step_and_lowers_the_peak_by_the_saved
 def test_mix_order_reduction_drops_the_weight_gradient_kernel_where_inductor_takes_it():
     """From torch 2.10, with tokens x hidden >= 5 Mi elements and tokens >= 2 x hidden (llama3-8b at 8192
     tokens), the norms' weight-gradient reduction joins their input gradients' kernels: one kernel and
-    its bytes less; at 4096 tokens (tokens < 2 x hidden) or on 2.9 it stays."""
+    its bytes less; at 4096 tokens (tokens < 2 x hidden) or on 2.9 it stays; so it does under Inductor's
+    other two size checks (tokens >= 4096, hidden <= 16 Ki)."""
     d = PRESETS["llama3-8b"]
 
-    def backward(tokens, version):
-        ks = [k for k in compiled_kernels(d, 1, tokens, 2, causal=True, torch_version=version) if k.kind in MEMORY_KINDS]
+    def backward(tokens, version, dims=d):
+        ks = [k for k in compiled_kernels(dims, 1, tokens, 2, causal=True, torch_version=version) if k.kind in MEMORY_KINDS]
         return sum(k.bwd_launches for k in ks), sum(k.bwd_bytes for k in ks)
 
     (fused_n, fused_b), (plain_n, plain_b) = backward(8192, (2, 13)), backward(8192, (2, 9))
     assert fused_n == plain_n - 1
     assert plain_b - fused_b == 8192 * (7 * d.hidden * 2 + 2 * 4) + 2 * d.hidden * 2  # 7 (tokens, hidden) reads, two rstd, two rows
     assert backward(4096, (2, 13)) == backward(4096, (2, 9))
+    small = replace(d, hidden=1536, heads=12, kv_heads=4, head_dim=128)  # 4000 x 1536 >= 5 Mi, 4000 >= 2 x 1536
+    assert small.hidden * 4000 >= MIX_ORDER_MIN_NUMEL and not mix_order_fusion(small, 4000, (2, 13)) and backward(4000, (2, 13), small) == backward(4000, (2, 9), small)
+    wide = replace(d, hidden=20480, heads=160, kv_heads=8, head_dim=128)  # tokens >= 2 x hidden, hidden > 16 Ki
+    assert backward(65536, (2, 13), wide) == backward(65536, (2, 9), wide)
 
 
 def _scenario(path: str, **changes):

@@ -61,10 +61,13 @@ REDUCTION_OPS = ("mean", "sum", "var_mean")  # a generated kernel with these red
 # per norm since PR #168209): on a GPU Triton backend each norm's weight gradient (a reduction over the
 # tokens) is fused into its input gradient's kernel (a reduction over hidden), which reads the same
 # tensors. `MixOrderReduction.can_fuse` (torch/_inductor/scheduler.py, 2.13 wheel) takes it when
-# tokens x hidden >= 5 x 2^20 elements and tokens >= 2 x hidden; the CPU backend never does, so the
+# tokens x hidden >= 5 x 2^20 elements, tokens >= 2 x hidden, tokens >= 4096 (strict mode, the default)
+# and hidden <= 16 x 1024 (a persistent reduction); the CPU backend never does, so the
 # table shows the weight gradients as a kernel of their own
 MIX_ORDER_FROM = (2, 10)
 MIX_ORDER_MIN_NUMEL = 5 * 2**20
+MIX_ORDER_MIN_ROWS = 4096
+MIX_ORDER_MAX_COLS = 16 * 1024
 
 
 TABLE_STYLES = {"torchtitan": "torchtitan Llama", "hf_llama": "transformers Llama", "gpt": "GPT-2 style"}
@@ -114,7 +117,7 @@ def _table(d: TransformerDims, key: tuple[str, str, str] | None):
 def mix_order_fusion(d: TransformerDims, tokens: int, torch_version: tuple[int, ...]) -> bool:
     """Whether Inductor on CUDA fuses each norm's weight gradient into its input gradient's kernel."""
     return tuple(torch_version[:2]) >= MIX_ORDER_FROM and tokens * d.hidden >= MIX_ORDER_MIN_NUMEL \
-        and tokens >= 2 * d.hidden
+        and tokens >= max(2 * d.hidden, MIX_ORDER_MIN_ROWS) and d.hidden <= MIX_ORDER_MAX_COLS
 
 
 def compiled_kernels(d: TransformerDims, b: int, s: int, p: int, *, causal: bool, key: tuple[str, str, str] | None = None,
