@@ -59,7 +59,7 @@ def op_costs(scenario: Scenario, paced: bool = True) -> OpCosts:
     s = scenario.settings
     cluster = scenario.cluster
     # the step runs at its slowest rank's pace: every collective waits for it (hardware/variation.py)
-    factor = pace_factor(scenario.variation, cluster.world_size) if paced else 1.0
+    factor = pace_factor(scenario.variation, cluster.world_size, cluster.gpus_per_node) if paced else 1.0
     cluster = replace(cluster, gpu=paced_profile(cluster.gpu, factor)) if factor != 1.0 else cluster
     return OpCosts(cluster, shard_size=s.shard_size, replicate_size=s.replicate_size,
                    compute_dtype=s.param_dtype, options=scenario.compute,

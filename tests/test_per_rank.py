@@ -248,6 +248,19 @@ def test_a_named_straggler_paces_the_default_mode_too():
     assert "slowest_named_speed" not in simulate(parse_scenario(_llama3_8b(8))).to_dict()["hardware"]
 
 
+def test_a_straggler_in_a_named_node_paces_the_default_mode_at_both_speeds():
+    """A rank named slow in a node named slow runs at the product of the two (`rank_speeds`), and the default
+    mode's pace is that rank's; a rank named fast is no named pace."""
+    var = {"gpu_speed_spread": 0.0, "stragglers": [{"rank": 9, "speed": 0.8}], "nodes": [{"node": 1, "speed": 0.9}]}
+    sc = parse_scenario(_llama3_8b(16, var))
+    hw = simulate(sc).to_dict()["hardware"]
+    from fsdp_sim.hardware.variation import rank_speeds
+    slowest = rank_speeds(sc.variation, 16, 8).min()
+    assert hw["slowest_named_speed"] == pytest.approx(slowest) and hw["slowest_rank_factor"] == pytest.approx(1 / slowest)
+    fast = simulate(parse_scenario(_llama3_8b(16, {"stragglers": [{"rank": 9, "speed": 1.2}]}))).to_dict()["hardware"]
+    assert "slowest_named_speed" not in fast
+
+
 def test_a_seed_drawing_a_rank_that_cannot_run_is_refused():
     from fsdp_sim.hardware.variation import rank_speeds
 

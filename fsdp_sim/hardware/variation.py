@@ -114,9 +114,16 @@ class Variation:
     nodes: tuple[tuple[int, float], ...] = ()
     links: tuple[LinkFault, ...] = ()
 
-    def slowest_named(self) -> float:
-        """The slowest speed a named straggler or node is given (1.0: none named)."""
-        return min([speed for _, speed in self.stragglers + self.nodes] + [1.0])
+    def named_speeds(self, gpus_per_node: int) -> list[tuple[float, int, str]]:
+        """(speed, 0 a rank | 1 a node, "rank r" | "node n") of each rank and node the section names, before
+        the draw, as `rank_speeds` gives it: a straggler's speed times its node's where that node is named too."""
+        node_speed = dict(self.nodes)
+        return [(s * node_speed.get(r // gpus_per_node, 1.0), 0, f"rank {r}") for r, s in self.stragglers] + \
+            [(s, 1, f"node {n}") for n, s in self.nodes]
+
+    def slowest_named(self, gpus_per_node: int) -> float | None:
+        """The slowest speed of a rank or node the section names (`named_speeds`); None when none is named."""
+        return min(self.named_speeds(gpus_per_node), default=(None,))[0]
 
     def named(self) -> dict:
         """What the scenario names, for the JSON (`hardware.variation`): each non-empty list of stragglers,
@@ -127,10 +134,10 @@ class Variation:
         return {key: items for key, items in out.items() if items}
 
 
-def paced_by(variation: Variation, world_size: int) -> str:
+def paced_by(variation: Variation, world_size: int, gpus_per_node: int) -> str:
     """What sets the default mode's compute pace (`pace_factor`): "rank r" or "node n", the slowest named,
     when it is slower than the spread's expected slowest rank; else "spread"."""
-    named = [(s, 0, f"rank {r}") for r, s in variation.stragglers] + [(s, 1, f"node {n}") for n, s in variation.nodes]
+    named = variation.named_speeds(gpus_per_node)
     if not named or 1.0 / min(named)[0] <= slowest_rank_factor(world_size, variation.spread):
         return "spread"
     return min(named)[2]
@@ -149,13 +156,14 @@ def weakest_nic_node(links: tuple[LinkFault, ...], nics_per_node: int) -> dict |
     return {"node": node, "nic_sum_fraction": 1.0 - lost[node] / nics_per_node}
 
 
-def pace_factor(variation: Variation, world_size: int) -> float:
+def pace_factor(variation: Variation, world_size: int, gpus_per_node: int) -> float:
     """How much longer the default mode's representative rank takes over compute-bound work: the slowest
     rank's pace, the expected slowest of the spread or a named straggler or node if that is slower (a
     named rank also draws from the spread, which this leaves out: it is at most k_N sigma of its speed)."""
     if world_size <= 1:
         return 1.0
-    return max(slowest_rank_factor(world_size, variation.spread), 1.0 / variation.slowest_named())
+    named = variation.slowest_named(gpus_per_node)
+    return max(slowest_rank_factor(world_size, variation.spread), 1.0 / named if named is not None else 1.0)
 
 
 def rank_speeds(variation: Variation, world_size: int, gpus_per_node: int) -> np.ndarray:

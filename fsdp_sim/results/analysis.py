@@ -175,7 +175,8 @@ class StepResult:
 
     def pace_factor(self) -> float:
         """The factor the representative rank's compute-bound kernels were slowed by (hardware/variation.py)."""
-        return pace_factor(self.scenario.variation, self.scenario.cluster.world_size)
+        c = self.scenario.cluster
+        return pace_factor(self.scenario.variation, c.world_size, c.gpus_per_node)
 
     def variation_facts(self) -> dict:
         """The `hardware` keys on variation and faults, each only when it applies (a plain scenario's JSON is
@@ -189,7 +190,8 @@ class StepResult:
             weakest = weakest_nic_node(var.links, sc.cluster.fabric.network.nics_per_node)
             named |= {"weakest_nic_node": weakest} if weakest else {}
         paced = (var.stragglers or var.nodes) and self.pace_factor() != 1  # --per-rank paces nothing
-        return ({"paced_by": paced_by(var, world)} if paced else {}) | ({"variation": named} if named else {}) \
+        pacer = {"paced_by": paced_by(var, world, sc.cluster.gpus_per_node)} if paced else {}
+        return pacer | ({"variation": named} if named else {}) \
             | ({"collective_pricing": self.collective_pricing} if self.collective_pricing else {})
 
     def _model_flops(self) -> float:
@@ -371,9 +373,9 @@ class StepResult:
                          # the step at its slowest rank's pace (hardware/variation.py): compute-bound x this
                          "gpu_speed_spread": sc.gpu_speed_spread,
                          "slowest_rank_factor": self.pace_factor(),
-                         # a straggler or node named in `variation:` (hardware/variation.py), when one is
-                         **({"slowest_named_speed": sc.variation.slowest_named()}
-                            if sc.variation.stragglers or sc.variation.nodes else {}),
+                         # the slowest rank named slow in `variation:` (hardware/variation.py), when one is
+                         **({"slowest_named_speed": named} if (named := sc.variation.slowest_named(
+                             sc.cluster.gpus_per_node)) is not None and named < 1.0 else {}),
                          **self.variation_facts()},
             "software": stack(sc.compute, select_sdpa_backend(sc.cluster.gpu.arch, sc.compute),  # hardware/software.py
                               wl.meta.get("norm_impl"), wl.meta.get("compiled_blocks")),
