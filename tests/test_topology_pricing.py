@@ -68,6 +68,22 @@ def test_the_default_path_prices_by_the_closed_forms_and_builds_no_graph():
     assert _costs(_cluster(1, oversubscription=2.0), 8, link_faults=(LinkFault(0, 2, 0.0),)).graph is None  # no NIC used
 
 
+
+@pytest.mark.parametrize("gpus", [1, 2, 4])
+def test_a_job_on_part_of_each_node_reaches_only_the_nics_beside_its_gpus(gpus):
+    """Four DGX-A100 nodes, `gpus` of each node's 8 GPUs in the job: its ring gets the `gpus` NICs beside
+    them, gpus x 24 GB/s (the closed form's g/G of the node's 192), not all 8; a NIC beside GPUs the job
+    does not run on changes nothing, even down; the job's only NIC down on a node is refused."""
+    gpu = load_profile("a100-80gb")
+    cluster = Cluster(gpu, 4, gpus)
+    graph = _costs(cluster, 4 * gpus, graph=True)
+    assert graph.graph.busbw_Bps("shard", "all_gather") / GB == pytest.approx(gpus * HDR_GBPS, rel=1e-9)
+    idle = _costs(cluster, 4 * gpus, link_faults=(LinkFault(1, 7, 0.0),))
+    assert idle.graph.busbw_Bps("shard", "all_gather") == graph.graph.busbw_Bps("shard", "all_gather")
+    if gpus == 1:
+        with pytest.raises(ScenarioError, match="variation.links"):
+            _costs(cluster, 4, link_faults=(LinkFault(1, 0, 0.0),)).graph.busbw_Bps("shard", "all_gather")
+
 @pytest.mark.parametrize("name, fsdp", [
     ("llama3-70b-64xh100", {}), ("llama3-8b-32xh200-hsdp", {}), ("llama3-8b-32xh100-efa-hpz", {}),
     ("llama3-70b-64xh100-tp8", {}), ("mixtral-8x7b-16xh100", {}), ("llama2-7b-16xh100-fsdp1-hsdp-no-sync", {}),

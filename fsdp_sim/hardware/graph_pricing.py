@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 
 import networkx as nx
 
+from fsdp_sim.errors import ScenarioError
 from fsdp_sim.hardware.collectives import ProcessGroup
 from fsdp_sim.hardware.fabric import KINDS
 from fsdp_sim.hardware.link_sharing import InFlight, share_links
@@ -142,8 +143,11 @@ class GraphPricing:
             rings = self._rings.get(name)
             if rings is None:  # the paths are the kind's own but for the scale-up links' wire cost: laid once
                 best = max(KINDS, key=lambda k: self.graph.graph[f"{k}_busbw_Bps"])  # wire cost 1
-                rings = self._rings[name] = [ring_loads(self.graph, ring_paths(self.graph, gpus), best)
-                                             for gpus in self._layouts[name]]
+                try:
+                    rings = self._rings[name] = [ring_loads(self.graph, ring_paths(self.graph, gpus), best)
+                                                 for gpus in self._layouts[name]]
+                except ValueError as exc:  # a node of fewer GPUs than NICs: its GPUs' own NICs all down
+                    raise ScenarioError(f"variation.links: {exc}") from None
             up = self._scale_up
             flights = self._flights[entry] = [
                 InFlight(kind, 1.0, len(gpus), {e: load * cost if e in up else load for e, load in loads.items()})

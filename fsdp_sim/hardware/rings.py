@@ -158,11 +158,12 @@ def _up(graph: nx.DiGraph, nic: str) -> bool:
 
 def _channels(graph: nx.DiGraph, node: int, members: list[str]) -> dict[int, float]:
     """NIC index -> the share of the ring's traffic entering and leaving the node through it."""
-    up = [j for j in range(graph.graph["nics_per_node"]) if _up(graph, nic_name(node, j))]
-    own = [j for j in up if set(_attached(graph, nic_name(node, j))) & set(members)]
+    attached = {j: _attached(graph, nic_name(node, j)) for j in range(graph.graph["nics_per_node"])}
+    up = [j for j, gpus in attached.items() if gpus and _up(graph, nic_name(node, j))]  # beside a GPU of the job
+    own = [j for j in up if set(attached[j]) & set(members)]
     use = own or up
     if not use:
-        raise ValueError(f"node {node}: every NIC is down, the ring cannot leave it")
+        raise ValueError(f"node {node}: every NIC beside its GPUs is down, the ring cannot leave it")
     return dict.fromkeys(use, 1.0 / len(use))
 
 

@@ -21,7 +21,9 @@ Edges carry `kind`, `bandwidth_Bps` (one direction) and `latency_s`, all from th
   g GPUs that spreads its sends over its g - 1 links gets R (g - 1) / (G - 1) [S8] (`Fabric.scale_up_share`);
 - `nic_attach` (GPU to its NIC over PCIe) and `nic_uplink` (NIC to leaf): one NIC's goodput, line rate x
   efficiency (`fabric.network`); the attachment never binds before the NIC itself and is there to say
-  which GPU a NIC sits beside (PXN relays from the others over the scale-up links [C30]);
+  which GPU a NIC sits beside (PXN relays from the others over the scale-up links [C30]). A job on g of
+  the profile's G GPUs a node reaches only the NICs beside its g GPUs (`job_nic_homes`), g/G of the
+  node's NICs as the closed forms count them (`collectives._nic_busbw`); the others are drawn, unattached;
 - `spine` (leaf to spine): a leaf's downlink goodput / `oversubscription`, split over the spines.
 Latencies sit on the edge leaving the sender, so a path's `latency_s` sums to NCCL's per-hop figure:
 the ring hop latency on a GPU's scale-up uplink, the NET hop latency on a NIC's uplink, 0 elsewhere (the
@@ -77,6 +79,12 @@ def nic_homes(gpus: int, nics: int) -> list[list[int]]:
     return [[i for i in range(gpus) if i * nics // gpus == j] for j in range(nics)]
 
 
+def job_nic_homes(node_gpus: int, job_gpus: int, nics: int) -> list[list[int]]:
+    """`nic_homes` of the profile's `node_gpus`-GPU node, keeping the job's first `job_gpus` GPUs: a NIC beside
+    GPUs the job does not run on has no home (no rank there to send through it, nor to relay for PXN)."""
+    return [[i for i in home if i < job_gpus] for home in nic_homes(max(node_gpus, job_gpus), nics)]
+
+
 def build_topology(cluster: Cluster, *, topology: str | None = None, spines: int | None = None,
                    nodes_per_leaf: int | None = None) -> nx.DiGraph:
     """The cluster's graph (see the module docstring); each argument given overrides `hardware.network`'s
@@ -98,7 +106,7 @@ def build_topology(cluster: Cluster, *, topology: str | None = None, spines: int
                        gpus_per_node=gpn, nics_per_node=nics, scale_up_Bps=scale_up_Bps,
                        **{f"{kind}_busbw_Bps": bw for kind, bw in ring.items()})
     link, hop = fabric.scale_up_link, fabric.ring.hop_latency_s
-    nic_Bps, homes = nic_goodput_Bps(cluster), nic_homes(gpn, nics)
+    nic_Bps, homes = nic_goodput_Bps(cluster), job_nic_homes(fabric.gpus_per_node, gpn, nics)
     for k in range(nodes):
         gpus = [gpu_name(k, i) for i in range(gpn)]
         graph.add_nodes_from((g, {"kind": "gpu", "node": k, "index": i}) for i, g in enumerate(gpus))
