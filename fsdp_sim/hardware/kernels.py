@@ -219,7 +219,8 @@ def eager_memory(kind: str, arch: str) -> EagerFractions:
 
 
 def fallback_generation(kind: str) -> str:
-    """The generation whose eager figure for `kind` stands in where a GPU's own was not measured."""
+    """The generation whose eager figure for `kind` stands in where a GPU's own was not measured: H100's,
+    else the first listed in `kd.EAGER_MEMORY` (rotary, measured on A100 and B200, takes A100's)."""
     measured = kd.EAGER_MEMORY[kind]
     return kd.FALLBACK_ARCH if kd.FALLBACK_ARCH in measured else next(iter(measured))
 
