@@ -62,14 +62,16 @@ NUMERIC_KEYS = ["training.micro_batch", "training.seq_len", "training.grad_accum
                 "model.kv_heads", "model.ffn_hidden", "model.head_dim", "model.max_seq",
                 "hardware.network.nics_per_node", "hardware.network.nic_gbps", "hardware.network.nic_efficiency",
                 "hardware.network.oversubscription", "hardware.network.hop_latency_s",
-                "hardware.network.host_overhead_s"]
+                "hardware.network.host_overhead_s", "hardware.network.spines", "hardware.network.nodes_per_leaf",
+                "variation.gpu_speed_spread", "variation.seed"]
 CHOICE_KEYS = ["training.optimizer", "training.optimizer_impl", "training.activation_checkpointing",
                "training.momentum", "fsdp.wrap", "fsdp.sharding_strategy", "fsdp.reshard_after_forward",
                "fsdp.backward_prefetch", "fsdp.reshard_last_block", "fsdp.requires_gradient_sync",
                "fsdp.mixed_precision.param_dtype", "fsdp.mixed_precision.reduce_dtype", "compute.allow_tf32",
                "compute.torch_compile", "compute.sdpa_backend", "compute.torch_version", "model.mlp", "model.norm",
                "model.attention", "model.norm_impl", "model.bias", "model.tie_embeddings", "model.learned_pos",
-               "model.dropout", "model.preset", "name", "hardware.profile", "hardware.network.rail_optimized"]
+               "model.dropout", "model.preset", "name", "hardware.profile", "hardware.network.rail_optimized",
+               "hardware.network.topology"]
 
 
 class Raw:
@@ -586,9 +588,36 @@ def m_outputs(rng, case):
     case.notes.append(f"outputs {case.command} {case.args}")
 
 
+def m_variation(rng, case):
+    """variation's named stragglers, nodes and NICs (odd indices, speeds, bandwidths, shapes), with or without
+    `run --per-rank` and its --trace-ranks."""
+    sane = {"rank": [0, 1], "node": [0, 1], "nic": [0, 1, 7], "speed": [0.5, 0.9, 1.2], "bandwidth": [0, 0.5, 1]}
+
+    def odd(field):  # a value that runs most often, else an odd one (out of range, of the wrong type, huge)
+        r = rng.random()
+        return rng.choice(sane[field]) if r < 0.6 else nasty(rng) if r < 0.75 else \
+            rng.choice([3, 8, 15, -1, 2**63, 1.5, 1.51, 0.0, True, math.nan])
+    var = case.data.setdefault("variation", {})
+    if not isinstance(var, dict):
+        return
+    key = rng.choice(["stragglers", "nodes", "links"])
+    fields = {"stragglers": ("rank", "speed"), "nodes": ("node", "speed"), "links": ("node", "nic", "bandwidth")}[key]
+    r = rng.random()
+    var[key] = ([{f: odd(f) for f in fields if rng.random() < 0.95} for _ in range(rng.choice([1, 1, 2]))] if r < 0.8
+                else nasty(rng))
+    hardware = case.data.get("hardware")
+    if isinstance(hardware, dict) and rng.random() < 0.8:  # nodes and NICs to name
+        hardware.update(nodes=rng.choice([1, 2, 2, 4]), gpus_per_node=rng.choice([1, 2, 8]))
+    if rng.random() < 0.6:
+        case.args.append("--per-rank")
+        if rng.random() < 0.3:
+            case.args += ["--trace", "@t.json", "--trace-ranks", rng.choice(["0", "0,1", "99", "x", "-1", "0,,1"])]
+    case.notes.append(f"variation.{key} = {str(var.get(key))[:80]} {case.args}")
+
+
 MUTATIONS = [(m_value, 14), (m_numeric, 14), (m_choice, 6), (m_key, 5), (m_delete, 4), (m_section, 5), (m_hf, 10),
              (m_workload, 8), (m_trace, 9), (m_profile, 7), (m_text, 9), (m_path, 2), (m_sweep, 10), (m_cli, 4), (m_grid, 5),
-             (m_outputs, 6)]
+             (m_outputs, 6), (m_variation, 6)]
 
 
 def make_case(rng: random.Random) -> Case:
