@@ -181,14 +181,15 @@ def test_regenerated_fixture_matches_a_traced_workload(tmp_path):
 
 
 def test_a_scenario_takes_compute_times_from_the_trace(tmp_path):
-    """`compute: {trace: ...}` in a scenario: the measured durations replace the FLOP-based ones."""
+    """`compute: {trace: ...}` in a scenario: the measured durations replace the FLOP-based ones, at the
+    slowest rank's pace as compute-bound time is (`variation`: 1.0 with every GPU alike)."""
     from fsdp_sim.hardware.costs import OpCosts
     from fsdp_sim.scenario import parse_scenario
     from fsdp_sim.simulate import simulate
 
     data = {"model": {"hidden": 64, "layers": 2, "heads": 4, "ffn_hidden": 172, "vocab": 256, "norm_impl": "composite"},
             "training": {"micro_batch": 2, "seq_len": 32}, "hardware": {"profile": "h100-sxm", "gpus_per_node": 2},
-            "compute": {"trace": str(FIXTURE)}}
+            "compute": {"trace": str(FIXTURE)}, "variation": {"gpu_speed_spread": 0}}
     sc = parse_scenario(data)
     timed = {m.name: m for m in sc.workload.modules if m.fwd_time_s is not None}
     assert {"layers.0", "layers.1", "output", "loss"} <= set(timed)
@@ -198,6 +199,12 @@ def test_a_scenario_takes_compute_times_from_the_trace(tmp_path):
         assert result.alone_s(ops[f"{name} forward"]).total == pytest.approx(m.fwd_time_s)
         if m.bwd_time_s is not None:
             assert result.alone_s(ops[f"{name} backward"]).total == pytest.approx(m.bwd_time_s)
+    # a rank named at half speed paces the step: the measured module times double, as --per-rank plays them
+    slow = parse_scenario(data | {"variation": {"gpu_speed_spread": 0, "stragglers": [{"rank": 1, "speed": 0.5}]}})
+    paced = simulate(slow)
+    assert paced.pace_factor() == 2.0
+    assert paced.alone_s({op.name: op for op in paced.graph.ops}["layers.0 forward"]).total == \
+        pytest.approx(2 * timed["layers.0"].fwd_time_s)
     costs = OpCosts(sc.cluster, shard_size=2, replicate_size=1, compute_dtype="bf16")
     block = ops["layers.0 forward"]
     estimate = costs.compute.times(replace(block, measured_s=None)).total

@@ -3,7 +3,8 @@
 A module's op carries its `Kernel`s (see `kernels.py` for their prices); an op priced only by FLOPs and
 bytes (a traced workload, an FSDP copy, the optimizer's foreach passes) runs its FLOPs at the GPU's
 large-GEMM rate and its bytes at the eager elementwise efficiency for their size. A profiler-measured
-module time (`compute: {trace: ...}`) replaces the estimate; it is billed as matmul time.
+module time (`compute: {trace: ...}`) replaces the estimate; it is billed as matmul time, and so
+slowed as compute-bound time is at the slowest rank's pace (`Sustained.pace`).
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ class ComputeCosts:
         return t
 
     def _price(self, op: Op) -> KernelTimes:
-        if op.measured_s is not None:
-            return KernelTimes(matmul=op.measured_s, launches=max(1, op.launches))
+        if op.measured_s is not None:  # measured on a mean GPU: at the step's pace as compute-bound time is
+            return KernelTimes(matmul=op.measured_s * self.gpu.sustained.pace, launches=max(1, op.launches))
         if op.kernels:
             return kernels_time(self.gpu, op.kernels, op.kernel_pass, self.dtype, self.options)
         return KernelTimes(matmul=op.flops / self.matmul_flops, memory=elementwise_time(self.gpu, op.hbm_bytes),

@@ -46,6 +46,9 @@ class Sustained:
     compute: float  # compute-bound kernels' rate, as a fraction of their benchmark rate
     memory: float  # memory-bound kernels' bandwidth, as a fraction of their benchmark bandwidth
     source: str  # where the derating comes from (printed by benchmarks/bench_components.py)
+    # the step's pace (hardware/variation.py `paced_profile`): compute-bound time x this, a measured module
+    # time too (a profiler trace's, billed as compute-bound: hardware/compute.py); 1 unpaced
+    pace: float = 1.0
 
 
 BENCHMARK_RATES = Sustained(0.0, None, None, 1.0, 1.0, "benchmark rates, no derating")

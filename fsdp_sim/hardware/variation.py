@@ -86,7 +86,7 @@ def paced_profile(gpu, factor: float):
     key = (id(gpu), factor)
     entry = _PACED.get(key)
     if entry is None or entry[0] is not gpu:
-        sustained = replace(gpu.sustained, compute=gpu.sustained.compute / factor)
+        sustained = replace(gpu.sustained, compute=gpu.sustained.compute / factor, pace=gpu.sustained.pace * factor)
         entry = _PACED[key] = (gpu, replace(gpu, sustained=sustained))
     return entry[1]
 
