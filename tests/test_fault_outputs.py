@@ -199,3 +199,18 @@ def test_the_graphml_carries_the_layout_as_laid(tmp_path, capsys):
     assert main(["topology", str(path), "-o", str(tmp_path / "g.graphml")]) == 0
     g = nx.read_graphml(tmp_path / "g.graphml").graph
     assert (g["topology"], g["nodes_per_leaf"], g["spines"], g["oversubscription"]) == ("fat_tree", 2, 1, 2.0)
+
+
+def test_the_weakest_nic_node_counts_only_the_nics_the_jobs_rings_use():
+    """A job on 2 of an H100 node's 8 GPUs uses the 2 NICs beside them (topology.job_nic_homes): NIC 7 down
+    there is no weakest node (its rings never reach it), NIC 1 down leaves that node half its sum; one node's
+    job has no rings across nodes at all."""
+    def weakest(nodes, gpus, nic):
+        data = _data(nodes=nodes, variation={"links": [{"node": 0, "nic": nic, "bandwidth": 0}]})
+        data["hardware"]["gpus_per_node"] = gpus
+        return _hardware(data)["variation"].get("weakest_nic_node")
+
+    assert weakest(4, 2, 7) is None
+    assert weakest(4, 2, 1) == {"node": 0, "nic_sum_fraction": 0.5}
+    assert weakest(4, 8, 7) == {"node": 0, "nic_sum_fraction": 7 / 8}
+    assert weakest(1, 8, 7) is None

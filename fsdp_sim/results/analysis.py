@@ -18,6 +18,7 @@ from fsdp_sim.engine.reserved import CappedReplay
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.hardware.kernels import KernelTimes, select_sdpa_backend
 from fsdp_sim.hardware.software import nccl_buffer_bytes, nccl_version, stack
+from fsdp_sim.hardware.topology import job_nic_homes
 from fsdp_sim.hardware.variation import pace_factor, paced_by, weakest_nic_node
 from fsdp_sim.scenario import Scenario
 from fsdp_sim.schedule.ops import CATEGORIES, COLLECTIVES, Op, OpGraph
@@ -186,8 +187,11 @@ class StepResult:
         sc = self.scenario
         var, world = sc.variation, sc.cluster.world_size
         named = var.named()
-        if var.links:
-            weakest = weakest_nic_node(var.links, sc.cluster.fabric.network.nics_per_node)
+        if var.links and sc.cluster.nodes > 1:  # among the NICs beside the job's GPUs: the only ones its rings use
+            c = sc.cluster
+            used = [j for j, home in enumerate(job_nic_homes(c.fabric.gpus_per_node, c.gpus_per_node,
+                                                             c.fabric.network.nics_per_node)) if home]
+            weakest = weakest_nic_node(tuple(f for f in var.links if f.nic in used), len(used))
             named |= {"weakest_nic_node": weakest} if weakest else {}
         paced = (var.stragglers or var.nodes) and self.pace_factor() != 1  # --per-rank paces nothing
         pacer = {"paced_by": paced_by(var, world, sc.cluster.gpus_per_node)} if paced else {}
