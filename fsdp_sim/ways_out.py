@@ -62,19 +62,34 @@ def ways_out(data: dict, base: Path) -> list[dict]:
     hardware = data.get("hardware") or {}
     nodes = hardware.get("nodes", 1)
     if isinstance(nodes, int) and not isinstance(nodes, bool):
-        for k in range(1, MAX_NODE_DOUBLINGS + 1):
-            trial = copy.deepcopy(data)
-            assign(trial, "hardware.nodes", nodes << k)
-            row = run_point(trial, base)
-            if row.get("error"):
-                break  # a shard size or mesh the larger world does not allow: stop there
-            if row["within_budget"]:
-                rows.append({"way": f"{nodes << k} nodes instead of {nodes}"} | row)
-                break
-        else:
-            rows.append({"way": f"more nodes: none up to {nodes << MAX_NODE_DOUBLINGS:,} fits as written",
-                         "none": True})
+        rows += _more_nodes(data, base, nodes)
     return rows
+
+
+def _more_nodes(data: dict, base: Path, nodes: int) -> list[dict]:
+    """The fewest nodes (doubling) on which the step fits, or a `none` row.
+
+    The search stops as soon as a doubling leaves the rank's required memory where it was. More nodes
+    shrink a rank only through what is sharded over them (parameters, gradients and optimizer state over
+    the shard group, 1 / its size); activations, the unsharded block and the buffers stay. A doubling that
+    shrinks nothing has a shard group that did not grow (HYBRID_SHARD's fixed `shard_size`, NO_SHARD) or
+    sharded state already under the caching allocator's rounding of its blocks; either way the next
+    doubling is alike, so the rest of the search would only simulate ever larger clusters (up to 1,024x
+    the nodes) to say the same."""
+    required = None
+    for k in range(1, MAX_NODE_DOUBLINGS + 1):
+        trial = copy.deepcopy(data)
+        assign(trial, "hardware.nodes", nodes << k)
+        row = run_point(trial, base)
+        if row.get("error"):
+            return []  # a shard size or mesh the larger world does not allow: stop there
+        if row["within_budget"]:
+            return [{"way": f"{nodes << k} nodes instead of {nodes}"} | row]
+        if required is not None and row["required_bytes"] >= required:
+            return [{"way": f"more nodes: none fits as written ({nodes << k:,} nodes need as much a GPU as "
+                            f"{nodes << (k - 1):,}: memory stops shrinking)", "none": True}]
+        required = row["required_bytes"]
+    return [{"way": f"more nodes: none up to {nodes << MAX_NODE_DOUBLINGS:,} fits as written", "none": True}]
 
 
 def first_fitting(rows: list[dict]) -> dict | None:
@@ -87,7 +102,7 @@ def ways_out_lines(rows: list[dict]) -> list[str]:
 
     if not rows:
         return ["", "Ways out           none of checkpointing, CPU offload, LoRA, QLoRA or more nodes simulates here"]
-    width = max(len(r["way"]) for r in rows)
+    width = max((len(r["way"]) for r in rows if not r.get("none")), default=0)  # a `none` row has no columns
     return ["", "Ways out           the scenario with each change:"] + [
         f"  {r['way']}" if r.get("none") else
         f"  {r['way']:<{width}}  required {fmt_bytes(r['required_bytes']):>10}  {fit_word(r):<6}  "

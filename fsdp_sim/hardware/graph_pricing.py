@@ -43,10 +43,9 @@ import networkx as nx
 
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.hardware.collectives import ProcessGroup
-from fsdp_sim.hardware.fabric import KINDS
 from fsdp_sim.hardware.link_sharing import InFlight, share_links
 from fsdp_sim.hardware.profiles import Cluster
-from fsdp_sim.hardware.rings import alone_busbw_Bps, group_layouts, ring_loads, ring_paths, wire_cost
+from fsdp_sim.hardware.rings import alone_busbw_Bps, group_layouts, path_loads, ring_paths, uniform_spines, wire_cost
 from fsdp_sim.hardware.topology import SCALE_UP_EDGES, build_topology, with_faults
 from fsdp_sim.hardware.variation import LinkFault
 
@@ -102,10 +101,16 @@ def graph_pricing(cluster: Cluster, faults: Sequence[LinkFault], groups: Mapping
 class GraphPricing:
     """Bus bandwidths and in-flight slowdowns of named process groups' collectives on one graph."""
 
-    def __init__(self, graph: nx.DiGraph, groups: Mapping[str, ProcessGroup]) -> None:
+    def __init__(self, graph: nx.DiGraph, groups: Mapping[str, ProcessGroup], *, spines: bool = False) -> None:
+        """`spines`: lay each hop between leaves over every spine, as `rings.ring_paths` does by default,
+        even where the spine layer's stand-in gives the same answers (`rings.SPINES`) in far less time."""
         self.graph = graph
         self.groups = dict(groups)
         self._capacity = {(u, v): bw for u, v, bw in graph.edges(data="bandwidth_Bps")}  # read once, shared often
+        stand_in = None if spines else uniform_spines(graph)
+        self._spines = stand_in is None
+        self._capacity |= stand_in or {}
+        self._nics: dict = {}  # `rings.ring_paths`' memo: each NIC read from the graph once for all rings
         self._scale_up = {(u, v) for u, v, kind in graph.edges(data="kind") if kind in SCALE_UP_EDGES}
         nodes = graph.graph["nodes"]
         self._layouts: dict[str, list[list[str]] | None] = {}
@@ -142,12 +147,8 @@ class GraphPricing:
             cost = wire_cost(self.graph, kind)
             rings = self._rings.get(name)
             if rings is None:  # the paths are the kind's own but for the scale-up links' wire cost: laid once
-                best = max(KINDS, key=lambda k: self.graph.graph[f"{k}_busbw_Bps"])  # wire cost 1
-                try:
-                    rings = self._rings[name] = [ring_loads(self.graph, ring_paths(self.graph, gpus), best)
-                                                 for gpus in self._layouts[name]]
-                except ValueError as exc:  # a node of fewer GPUs than NICs: its GPUs' own NICs all down
-                    raise ScenarioError(f"variation.links: {exc}") from None
+                rings = self._rings[name] = [path_loads(ring_paths(self.graph, gpus, spines=self._spines, memo=self._nics))
+                                             for gpus in self._layouts[name]]
             up = self._scale_up
             flights = self._flights[entry] = [
                 InFlight(kind, 1.0, len(gpus), {e: load * cost if e in up else load for e, load in loads.items()})

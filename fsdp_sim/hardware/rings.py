@@ -42,6 +42,13 @@ from fsdp_sim.hardware.fabric import KINDS
 from fsdp_sim.hardware.topology import HUB_KIND, SCALE_UP_EDGES, gpu_name, nic_name
 
 Edge = tuple[str, str]
+# The spine layer as one vertex. A hop between leaves is spread evenly over every spine (ECMP), so where
+# each leaf has links of one capacity c to all S spines and back (`uniform_spines`: `build_topology`'s
+# fabric, whatever NIC is faulted) each of them carries 1/S of the leaf's cross-leaf traffic at 1/S of
+# its S c: the same load / capacity as one link of S c carrying it all, in every sharing rule. Pricing
+# through the stand-in lays one path a hop where the spines lay S (S grows with the cluster: 64 spines at
+# 512 H100 nodes), and so keeps the pricing linear in the cluster's size.
+SPINES = "spine*"
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,24 +59,29 @@ class RingPath:
     share: float
 
 
-def ring_paths(graph: nx.DiGraph, gpus: Sequence[str]) -> tuple[RingPath, ...]:
+def ring_paths(graph: nx.DiGraph, gpus: Sequence[str], *, spines: bool = True,
+               memo: dict | None = None) -> tuple[RingPath, ...]:
     """The paths of one NCCL ring over `gpus` (GPU names, rank order; a node's GPUs are visited together,
-    in the order its first one appears). A ring of one GPU has none."""
+    in the order its first one appears). A ring of one GPU has none. `spines=False`: a hop between leaves
+    goes through `SPINES`, one stand-in for the whole spine layer, rather than over each spine (see
+    `SPINES`; only where `uniform_spines` holds). `memo`: what each NIC is (`_nic`), kept by a caller that
+    lays many rings on one graph it does not change."""
+    memo = {} if memo is None else memo
     nodes = _by_node(graph, gpus)
     if len(nodes) == 1:
         k, members = nodes[0]
         hub = _hub(graph, k)
         return tuple(p for a, b in zip(members, members[1:] + members[:1]) if a != b
                      for p in _send(hub, a, b, members, 1.0))
-    channels = {k: _channels(graph, k, members) for k, members in nodes}
+    channels = {k: _channels(graph, k, members, memo) for k, members in nodes}
     paths: list[RingPath] = []
     for k, members in nodes:
-        paths += _through_node(graph, _hub(graph, k), members, channels[k])
-    spines: dict[tuple[str, str], list[str]] = {}  # by (leaf, leaf): the spines between, found once
+        paths += _through_node(graph, _hub(graph, k), k, members, channels[k], memo)
+    between: dict[tuple[str, str], list[str]] = {}  # by (leaf, leaf): the spines between, found once
     for (k, _), (nxt, _) in zip(nodes, nodes[1:] + nodes[:1]):
         for i, j, share in _pair(channels[k], channels[nxt]):
             a, b = nic_name(k, i), nic_name(nxt, j)
-            paths += [RingPath(path, share * part) for path, part in _route(graph, a, b, spines)]
+            paths += [RingPath(path, share * part) for path, part in _route(graph, a, b, between, spines, memo)]
     return tuple(paths)
 
 
@@ -82,12 +94,19 @@ def wire_cost(graph: nx.DiGraph, kind: str) -> float:
     return graph.graph["scale_up_Bps"] / graph.graph[f"{kind}_busbw_Bps"]
 
 
-def ring_loads(graph: nx.DiGraph, paths: Sequence[RingPath], kind: str) -> dict[Edge, float]:
-    """Each link's share of the ring's traffic: at bus bandwidth B the link carries load x B bytes/s."""
+def path_loads(paths: Sequence[RingPath]) -> dict[Edge, float]:
+    """Each link's share of the paths' traffic, every link at wire cost 1 (the best kind's, `wire_cost`)."""
     loads: dict[Edge, float] = defaultdict(float)
     for path in paths:
-        for edge in zip(path.nodes, path.nodes[1:]):
-            loads[edge] += path.share
+        nodes, share = path.nodes, path.share
+        for edge in zip(nodes, nodes[1:]):
+            loads[edge] += share
+    return loads
+
+
+def ring_loads(graph: nx.DiGraph, paths: Sequence[RingPath], kind: str) -> dict[Edge, float]:
+    """Each link's share of the ring's traffic: at bus bandwidth B the link carries load x B bytes/s."""
+    loads = path_loads(paths)
     cost = wire_cost(graph, kind)
     edges = graph.edges
     return {e: load * cost if edges[e]["kind"] in SCALE_UP_EDGES else load for e, load in loads.items()}
@@ -146,8 +165,14 @@ def _send(hub: str | None, a: str, b: str, members: list[str], share: float) -> 
     return [RingPath((a, b), share)]
 
 
-def _attached(graph: nx.DiGraph, nic: str) -> list[str]:
-    return [u for u in graph.predecessors(nic) if graph.nodes[u]["kind"] == "gpu"]
+def _nic(graph: nx.DiGraph, nic: str, memo: dict) -> tuple[list[str], bool, str]:
+    """The GPUs a NIC sits beside, whether it is up and its leaf, read from the graph once per `memo`."""
+    found = memo.get(nic)
+    if found is None:
+        kinds = graph.nodes
+        found = memo[nic] = ([u for u in graph.predecessors(nic) if kinds[u]["kind"] == "gpu"], _up(graph, nic),
+                             next(v for v in graph.successors(nic) if kinds[v]["kind"] == "leaf"))
+    return found
 
 
 def _up(graph: nx.DiGraph, nic: str) -> bool:
@@ -156,24 +181,25 @@ def _up(graph: nx.DiGraph, nic: str) -> bool:
         all(d["bandwidth_Bps"] > 0 for d in graph.pred[nic].values())
 
 
-def _channels(graph: nx.DiGraph, node: int, members: list[str]) -> dict[int, float]:
+def _channels(graph: nx.DiGraph, node: int, members: list[str], memo: dict) -> dict[int, float]:
     """NIC index -> the share of the ring's traffic entering and leaving the node through it."""
-    attached = {j: _attached(graph, nic_name(node, j)) for j in range(graph.graph["nics_per_node"])}
-    up = [j for j, gpus in attached.items() if gpus and _up(graph, nic_name(node, j))]  # beside a GPU of the job
-    own = [j for j in up if set(attached[j]) & set(members)]
+    nics = [(j, _nic(graph, nic_name(node, j), memo)) for j in range(graph.graph["nics_per_node"])]
+    up = [j for j, (_, alive, _) in nics if alive]
+    ours = set(members)
+    own = [j for j, (attached, alive, _) in nics if alive and not ours.isdisjoint(attached)]
     use = own or up
     if not use:
         raise ValueError(f"node {node}: every NIC beside its GPUs is down, the ring cannot leave it")
     return dict.fromkeys(use, 1.0 / len(use))
 
 
-def _through_node(graph: nx.DiGraph, hub: str | None, members: list[str], channels: dict[int, float]) -> list[RingPath]:
+def _through_node(graph: nx.DiGraph, hub: str | None, node: int, members: list[str], channels: dict[int, float],
+                  memo: dict) -> list[RingPath]:
     """Each channel: in through its NIC at the GPU beside it, round the group's GPUs, out the same NIC."""
-    node = graph.nodes[members[0]]["node"]
     paths: list[RingPath] = []
     for j, share in channels.items():
         nic = nic_name(node, j)
-        attached = _attached(graph, nic)
+        attached = _nic(graph, nic, memo)[0]
         beside = [m for m in members if m in attached]
         entry = beside[0] if beside else members[0]
         home = entry if beside else attached[0]  # the GPU beside the NIC: a relay when not in the group
@@ -208,15 +234,15 @@ def _pair(out: dict[int, float], into: dict[int, float]) -> list[tuple[int, int,
     return sorted(pairs)
 
 
-def _leaf(graph: nx.DiGraph, nic: str) -> str:
-    return next(v for v in graph.successors(nic) if graph.nodes[v]["kind"] == "leaf")
-
-
-def _route(graph: nx.DiGraph, a: str, b: str, cache: dict) -> list[tuple[tuple[str, ...], float]]:
-    """NIC a to NIC b: under one leaf, or up to every spine that reaches b's leaf and down (ECMP)."""
-    up, down = _leaf(graph, a), _leaf(graph, b)
+def _route(graph: nx.DiGraph, a: str, b: str, cache: dict, spines: bool,
+           memo: dict) -> list[tuple[tuple[str, ...], float]]:
+    """NIC a to NIC b: under one leaf, or up to every spine that reaches b's leaf and down (ECMP); through
+    the stand-in `SPINES` when `spines` is False."""
+    up, down = _nic(graph, a, memo)[2], _nic(graph, b, memo)[2]
     if up == down:
         return [((a, up, b), 1.0)]
+    if not spines:
+        return [((a, up, SPINES, down, b), 1.0)]
     spines = cache.get((up, down))
     if spines is None:
         edges = graph.edges
@@ -226,3 +252,18 @@ def _route(graph: nx.DiGraph, a: str, b: str, cache: dict) -> list[tuple[tuple[s
         if not spines:
             raise ValueError(f"no spine joins {up} and {down}")
     return [((a, up, s, down, b), 1.0 / len(spines)) for s in spines]
+
+
+def uniform_spines(graph: nx.DiGraph) -> dict[Edge, float] | None:
+    """The capacities of the links to and from `SPINES` ((leaf, SPINES): the leaf's uplinks together,
+    (SPINES, leaf): its downlinks), or None where the stand-in would not be exact: a leaf not joined to
+    every spine both ways, or its links to them of unequal or zero capacity."""
+    spines = [v for v, kind in graph.nodes(data="kind") if kind == "spine"]
+    capacity: dict[Edge, float] = {}
+    for leaf in (v for v, kind in graph.nodes(data="kind") if kind == "leaf"):
+        for edges, key in (([(leaf, s) for s in spines], (leaf, SPINES)), ([(s, leaf) for s in spines], (SPINES, leaf))):
+            caps = {graph.edges[e]["bandwidth_Bps"] if graph.has_edge(*e) else 0.0 for e in edges}
+            if len(caps) != 1 or not min(caps) > 0:
+                return None
+            capacity[key] = sum(graph.edges[e]["bandwidth_Bps"] for e in edges)
+    return capacity
