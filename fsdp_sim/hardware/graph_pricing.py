@@ -24,10 +24,13 @@ closed forms' per-rank links (a uniform non-blocking fabric) the two give the sa
 
 What is computed, once. The graph for a (profile's fabric, nodes, GPUs a node, faults) is built once per
 process (`_GRAPHS`); each process group's SPMD layouts (every group of its shape runs the collective at
-once, `rings.group_layouts`) are laid once; the bus bandwidth of each (group, kind) is the slowest
-layout's with the links shared among all of them (max-min fair, `link_sharing.share_links`), and the
-slowdown of each set of collectives in flight (a tuple of (group, kind)) is found once and remembered:
-the engine meets only a handful of such sets in a step.
+once, `rings.group_layouts`) are laid once and their rings' link loads summed; the bus bandwidth of
+each (group, kind) is the slowest layout's with the links shared among all of them (max-min fair, as
+`link_sharing.share_links` divides them), and the slowdown of each set of collectives in flight (a tuple
+of (group, kind)) is found once and remembered: the engine meets only a handful of such sets in a step.
+Both read only the summed loads (`GraphPricing.busbw_Bps`, `slowdowns` say why that is exact), so the
+pricing is linear in the cluster's size: one pass over its rings, one over the links they cross (a
+hop between leaves crosses `rings.SPINES`, the spine layer as one, not each spine).
 
 Known limits: rings only (no Tree, PAT, NVLS across nodes); an NVLS all-reduce inside a node is shared
 with the others as the ring it would otherwise run; a group whose shape does not tile the cluster is
@@ -37,15 +40,15 @@ priced by the closed forms.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 import networkx as nx
 
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.hardware.collectives import ProcessGroup
-from fsdp_sim.hardware.link_sharing import InFlight, share_links
 from fsdp_sim.hardware.profiles import Cluster
-from fsdp_sim.hardware.rings import alone_busbw_Bps, group_layouts, path_loads, ring_paths, uniform_spines, wire_cost
+from fsdp_sim.hardware.rings import Edge, alone_busbw_Bps, group_layouts, path_loads, ring_paths, uniform_spines, wire_cost
 from fsdp_sim.hardware.topology import SCALE_UP_EDGES, build_topology, with_faults
 from fsdp_sim.hardware.variation import LinkFault
 
@@ -119,8 +122,8 @@ class GraphPricing:
                 self._layouts[name] = group_layouts(graph, group, node_stride=node_stride(name, group, nodes))
             except ValueError:  # a shape that does not tile the cluster: the closed forms price it
                 self._layouts[name] = None
-        self._rings: dict[str, list[dict]] = {}
-        self._flights: dict[Entry, list[InFlight]] = {}
+        self._summed: dict[str, dict[Edge, float]] = {}
+        self._loads: dict[Entry, dict[Edge, float]] = {}
         self._alone: dict[Entry, float] = {}
         self._shared: dict[tuple[Entry, ...], tuple[float, ...] | None] = {}
 
@@ -139,52 +142,59 @@ class GraphPricing:
         """Whether the graph prices this group (it spans nodes and tiles the cluster)."""
         return self.groups[name].nodes > 1 and self._layouts.get(name) is not None
 
-    def flights(self, entry: Entry) -> list[InFlight]:
-        """Every group of the entry's shape running its collective (1 byte: only the link loads matter)."""
-        flights = self._flights.get(entry)
-        if flights is None:
+    def loads(self, entry: Entry) -> dict[Edge, float]:
+        """Each link's load when every group of the entry's shape runs its collective (SPMD): the rings'
+        loads summed; at bus bandwidth B each ring puts load x B bytes/s on the link."""
+        loads = self._loads.get(entry)
+        if loads is None:
             name, kind = entry
-            cost = wire_cost(self.graph, kind)
-            rings = self._rings.get(name)
-            if rings is None:  # the paths are the kind's own but for the scale-up links' wire cost: laid once
-                rings = self._rings[name] = [path_loads(ring_paths(self.graph, gpus, spines=self._spines, memo=self._nics))
-                                             for gpus in self._layouts[name]]
-            up = self._scale_up
-            flights = self._flights[entry] = [
-                InFlight(kind, 1.0, len(gpus), {e: load * cost if e in up else load for e, load in loads.items()})
-                for gpus, loads in zip(self._layouts[name], rings)]
-        return flights
+            summed = self._summed.get(name)
+            if summed is None:  # the paths are the kind's own but for the scale-up links' wire cost: laid once
+                summed = self._summed[name] = path_loads(
+                    p for gpus in self._layouts[name]
+                    for p in ring_paths(self.graph, gpus, spines=self._spines, memo=self._nics))
+            cost, up = wire_cost(self.graph, kind), self._scale_up
+            loads = self._loads[entry] = {e: load * cost if e in up else load for e, load in summed.items()}
+        return loads
 
     def busbw_Bps(self, name: str, kind: str) -> float:
-        """Large-message bus bandwidth of `kind` on group `name` while every group of its shape runs it."""
+        """Large-message bus bandwidth of `kind` on group `name` while every group of its shape runs it.
+
+        That is the slowest group's share under max-min fairness (`link_sharing.share_links`), and the
+        slowest's is the first level of the progressive filling: every ring rises at one pace until the
+        first link fills, min over links of capacity / the rings' summed load, and the rings crossing it
+        stop there while the others rise further. So the links' summed loads (`loads`) give it without
+        the filling, in one pass over the links, however many groups the shape has."""
         entry = (name, kind)
         bw = self._alone.get(entry)
         if bw is None:
-            flights = self.flights(entry)
-            bw = self._alone[entry] = (alone_busbw_Bps(self._capacity, flights[0].loads) if len(flights) == 1 else
-                                       min(share_links(self.graph, flights, capacity=self._capacity).busbw_Bps))
+            bw = self._alone[entry] = alone_busbw_Bps(self._capacity, self.loads(entry))
         return bw
 
     def slowdowns(self, entries: tuple[Entry, ...]) -> tuple[float, ...] | None:
         """How much slower each collective in flight runs than alone (>= 1), every group of each shape
-        running it (SPMD); None when one of the groups is not laid on the graph."""
+        running it (SPMD); None when one of the groups is not laid on the graph.
+
+        The proportional rule (`link_sharing`): each ring asks every link it crosses for its load x its
+        shape's rate alone, a link asked L times its capacity slows the rings crossing it L times, and a
+        ring is slowed by its most asked link. Every ring of a shape asks at the shape's one rate, so a
+        link is asked the shapes' summed loads (`loads`) x their rates, and the shape's slowest ring is the
+        one on its most asked link: the links its rings cross, taken together."""
         if entries in self._shared:
             return self._shared[entries]
         if any(self._layouts.get(name) is None for name, _ in entries):
             self._shared[entries] = None
             return None
-        flights, owner, alone = [], [], []
-        for i, entry in enumerate(entries):
-            mine = self.flights(entry)
-            flights += mine
-            owner += [i] * len(mine)
-            alone += [self.busbw_Bps(*entry)] * len(mine)
-        shared = share_links(self.graph, flights, rule="proportional", capacity=self._capacity,
-                             alone_Bps=alone).busbw_Bps
-        worst = [math.inf] * len(entries)
-        for i, bw in zip(owner, shared):
-            worst[i] = min(worst[i], bw)
-        out = tuple(1.0 if math.isinf(alone := self.busbw_Bps(*entry)) else max(1.0, alone / bw) if bw > 0
-                    else math.inf for entry, bw in zip(entries, worst))
-        self._shared[entries] = out
+        alone = [self.busbw_Bps(*entry) for entry in entries]
+        asked: dict[Edge, float] = defaultdict(float)
+        for entry, bw in zip(entries, alone):
+            if math.isfinite(bw):  # one that crosses no link asks none
+                for e, load in self.loads(entry).items():
+                    asked[e] += load * bw
+        capacity, out = self._capacity, []
+        for entry, bw in zip(entries, alone):
+            over = max((asked[e] / capacity[e] for e in self.loads(entry) if capacity[e] > 0), default=1.0)
+            out.append(1.0 if math.isinf(bw) else max(1.0, over) if bw > 0 else math.inf)
+        self._shared[entries] = out = tuple(out)
+        return out
         return out

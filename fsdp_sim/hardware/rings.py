@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import networkx as nx
@@ -94,7 +94,7 @@ def wire_cost(graph: nx.DiGraph, kind: str) -> float:
     return graph.graph["scale_up_Bps"] / graph.graph[f"{kind}_busbw_Bps"]
 
 
-def path_loads(paths: Sequence[RingPath]) -> dict[Edge, float]:
+def path_loads(paths: Iterable[RingPath]) -> dict[Edge, float]:
     """Each link's share of the paths' traffic, every link at wire cost 1 (the best kind's, `wire_cost`)."""
     loads: dict[Edge, float] = defaultdict(float)
     for path in paths:
@@ -258,12 +258,13 @@ def uniform_spines(graph: nx.DiGraph) -> dict[Edge, float] | None:
     """The capacities of the links to and from `SPINES` ((leaf, SPINES): the leaf's uplinks together,
     (SPINES, leaf): its downlinks), or None where the stand-in would not be exact: a leaf not joined to
     every spine both ways, or its links to them of unequal or zero capacity."""
-    spines = [v for v, kind in graph.nodes(data="kind") if kind == "spine"]
+    kinds = graph.nodes(data="kind")
+    spines = {v for v, kind in kinds if kind == "spine"}
     capacity: dict[Edge, float] = {}
-    for leaf in (v for v, kind in graph.nodes(data="kind") if kind == "leaf"):
-        for edges, key in (([(leaf, s) for s in spines], (leaf, SPINES)), ([(s, leaf) for s in spines], (SPINES, leaf))):
-            caps = {graph.edges[e]["bandwidth_Bps"] if graph.has_edge(*e) else 0.0 for e in edges}
-            if len(caps) != 1 or not min(caps) > 0:
+    for leaf in (v for v, kind in kinds if kind == "leaf"):
+        for links, key in ((graph.succ[leaf], (leaf, SPINES)), (graph.pred[leaf], (SPINES, leaf))):
+            caps = [d["bandwidth_Bps"] for v, d in links.items() if v in spines]
+            if len(caps) != len(spines) or not caps or min(caps) != max(caps) or not caps[0] > 0:
                 return None
-            capacity[key] = sum(graph.edges[e]["bandwidth_Bps"] for e in edges)
+            capacity[key] = sum(caps)
     return capacity
