@@ -195,8 +195,14 @@ def _channels(graph: nx.DiGraph, node: int, members: list[str], memo: dict) -> d
 
 def _through_node(graph: nx.DiGraph, hub: str | None, node: int, members: list[str], channels: dict[int, float],
                   memo: dict) -> list[RingPath]:
-    """Each channel: in through its NIC at the GPU beside it, round the group's GPUs, out the same NIC."""
+    """Each channel: in through its NIC at the GPU beside it, round the group's GPUs, out the same NIC.
+
+    A channel entering at member s sends along every cyclic pair of the members but the one into s
+    (members[s - 1] -> members[s]), so each pair's sends are summed over the channels: one path a pair,
+    not one a pair and channel (a node of G GPUs and G NICs: 2G paths, not G^2)."""
     paths: list[RingPath] = []
+    sends: dict[tuple[str, str], float] = defaultdict(float)  # GPU to GPU, over the channels
+    total = 0.0
     for j, share in channels.items():
         nic = nic_name(node, j)
         attached = _nic(graph, nic, memo)[0]
@@ -204,18 +210,23 @@ def _through_node(graph: nx.DiGraph, hub: str | None, node: int, members: list[s
         entry = beside[0] if beside else members[0]
         home = entry if beside else attached[0]  # the GPU beside the NIC: a relay when not in the group
         start = members.index(entry)
-        order = members[start:] + members[:start]
+        last = members[start - 1]  # the channel's round ends where it would close the ring
         paths.append(RingPath((nic, home), share))
         if home != entry:
-            paths += _send(hub, home, entry, members, share)
-        for a, b in zip(order, order[1:]):
-            paths += _send(hub, a, b, members, share)
-        last = order[-1]
+            sends[home, entry] += share
+        total += share
+        sends[last, entry] -= share  # the one pair of the round it does not send along
         if last in attached:
             paths.append(RingPath((last, nic), share))
         else:
-            paths += _send(hub, last, home, members, share)
+            sends[last, home] += share
             paths.append(RingPath((home, nic), share))
+    if len(members) > 1:
+        for a, b in zip(members, members[1:] + members[:1]):
+            sends[a, b] += total
+    for (a, b), share in sends.items():
+        if a != b and share > 1e-12:
+            paths += _send(hub, a, b, members, share)
     return paths
 
 
