@@ -109,12 +109,11 @@ class GraphPricing:
         even where the spine layer's stand-in gives the same answers (`rings.SPINES`) in far less time."""
         self.graph = graph
         self.groups = dict(groups)
-        self._capacity = {(u, v): bw for u, v, bw in graph.edges(data="bandwidth_Bps")}  # read once, shared often
         stand_in = None if spines else uniform_spines(graph)
         self._spines = stand_in is None
-        self._capacity |= stand_in or {}
+        self._capacity = _Capacity(graph, stand_in or {})  # each crossed link's read once, shared often
         self._nics: dict = {}  # `rings.ring_paths`' memo: each NIC read from the graph once for all rings
-        self._scale_up = {(u, v) for u, v, kind in graph.edges(data="kind") if kind in SCALE_UP_EDGES}
+        self._scale_up: dict[str, set[Edge]] = {}  # by group: the links inside a node its rings cross
         nodes = graph.graph["nodes"]
         self._layouts: dict[str, list[list[str]] | None] = {}
         for name, group in self.groups.items():
@@ -153,7 +152,9 @@ class GraphPricing:
                 summed = self._summed[name] = path_loads(
                     p for gpus in self._layouts[name]
                     for p in ring_paths(self.graph, gpus, spines=self._spines, memo=self._nics))
-            cost, up = wire_cost(self.graph, kind), self._scale_up
+                links = self._capacity.links
+                self._scale_up[name] = {(u, v) for u, v in summed if links.get(u, {}).get(v, {}).get("kind") in SCALE_UP_EDGES}
+            cost, up = wire_cost(self.graph, kind), self._scale_up[name]
             loads = self._loads[entry] = {e: load * cost if e in up else load for e, load in summed.items()}
         return loads
 
@@ -198,3 +199,17 @@ class GraphPricing:
         self._shared[entries] = out = tuple(out)
         return out
         return out
+
+
+class _Capacity(dict):
+    """Each link's bandwidth_Bps, read from the graph the first time a ring's load asks for it (a cluster's
+    graph has every leaf joined to every spine, links the stand-in's rings never cross); the stand-in's given."""
+
+    def __init__(self, graph: nx.DiGraph, given: Mapping[Edge, float]) -> None:
+        super().__init__(given)
+        self.links = dict(graph.adjacency())  # vertex -> {its successor: the link's attributes}
+
+    def __missing__(self, edge: Edge) -> float:
+        u, v = edge
+        bw = self[edge] = self.links[u][v]["bandwidth_Bps"]
+        return bw

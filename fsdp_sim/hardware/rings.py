@@ -166,19 +166,15 @@ def _send(hub: str | None, a: str, b: str, members: list[str], share: float) -> 
 
 
 def _nic(graph: nx.DiGraph, nic: str, memo: dict) -> tuple[list[str], bool, str]:
-    """The GPUs a NIC sits beside, whether it is up and its leaf, read from the graph once per `memo`."""
+    """The GPUs a NIC sits beside, whether it is up (every link of it carries traffic) and its leaf, read
+    from the graph once per `memo`."""
     found = memo.get(nic)
-    if found is None:
-        kinds = graph.nodes
-        found = memo[nic] = ([u for u in graph.predecessors(nic) if kinds[u]["kind"] == "gpu"], _up(graph, nic),
-                             next(v for v in graph.successors(nic) if kinds[v]["kind"] == "leaf"))
+    if found is None:  # by the links' kinds (`topology.py`): one pass over the NIC's few links each way
+        into, out = graph.pred[nic].items(), graph.succ[nic].items()
+        found = memo[nic] = ([u for u, d in into if d["kind"] == "nic_attach"],
+                             all(d["bandwidth_Bps"] > 0 for _, d in into) and all(d["bandwidth_Bps"] > 0 for _, d in out),
+                             next(v for v, d in out if d["kind"] == "nic_uplink"))
     return found
-
-
-def _up(graph: nx.DiGraph, nic: str) -> bool:
-    """Every link of the NIC carries traffic (read from the adjacency directly: a ring asks for every NIC)."""
-    return all(d["bandwidth_Bps"] > 0 for d in graph.succ[nic].values()) and \
-        all(d["bandwidth_Bps"] > 0 for d in graph.pred[nic].values())
 
 
 def _channels(graph: nx.DiGraph, node: int, members: list[str], memo: dict) -> dict[int, float]:
