@@ -8,6 +8,7 @@ import json
 import yaml
 
 from fsdp_sim.cli import main
+from fsdp_sim import ways_out as ways_out_module
 from fsdp_sim.ways_out import first_fitting, ways_out
 
 # ~1.5 GiB + 0.8 GiB per sequence without checkpointing, ~0.16 GiB with it; a 6 GiB budget (tests/test_recommend.py)
@@ -54,3 +55,19 @@ def test_recommend_says_when_a_way_outside_its_space_fits(tmp_path, capsys):
 def test_a_way_out_is_a_change_not_what_the_scenario_already_does(tmp_path):
     offloaded = TOY | {"fsdp": {"offload_policy": "CPUOffloadPolicy"}}
     assert not [r for r in ways_out(offloaded, tmp_path) if "CPU offload" in r["way"]]
+
+
+def test_more_nodes_stop_when_a_doubling_leaves_the_memory_where_it_was(tmp_path, monkeypatch):
+    """HYBRID_SHARD over shard groups of one node: more nodes add replicas and shrink no rank, so the search
+    stops at the second doubling (4 nodes need what 2 do) where it went on to 1,024x the nodes."""
+    hsdp = TOY | {"fsdp": {"sharding_strategy": "HYBRID_SHARD", "shard_size": 2}}
+    tried, run_point = [], ways_out_module.run_point
+
+    def counted(data, base):
+        tried.append(data["hardware"]["nodes"])
+        return run_point(data, base)
+
+    monkeypatch.setattr(ways_out_module, "run_point", counted)
+    rows = ways_out(hsdp, tmp_path)
+    assert [n for n in tried if n > 1] == [2, 4]
+    assert rows[-1]["none"] and rows[-1]["way"].endswith("(4 nodes need as much a GPU as 2: memory stops shrinking)")
