@@ -75,7 +75,8 @@ def _more_nodes(data: dict, base: Path, nodes: int) -> list[dict]:
     shrinks nothing has a shard group that did not grow (HYBRID_SHARD's fixed `shard_size`, NO_SHARD) or
     sharded state already under the caching allocator's rounding of its blocks; either way the next
     doubling is alike, so the rest of the search would only simulate ever larger clusters (up to 1,024x
-    the nodes) to say the same."""
+    the nodes) to say the same. The first doubling is compared with the second, not with the scenario: it
+    may add a process group's NCCL buffers (HSDP's replicate group runs no collective while it has one rank)."""
     required = None
     for k in range(1, MAX_NODE_DOUBLINGS + 1):
         trial = copy.deepcopy(data)

@@ -1,5 +1,5 @@
 """Graph pricing at scale (hardware/graph_pricing.py): the fast path -- the spine layer as one stand-in
-(`rings.SPINES`) and every group of a shape priced from the rings' summed link loads -- gives the answers
+(`topology.SPINES`) and every group of a shape priced from the rings' summed link loads -- gives the answers
 of the exact one, every ring laid over every spine and the links divided by `link_sharing.share_links`
 (max-min among a shape's groups, the proportional rule between shapes), on random small fabrics."""
 
@@ -16,8 +16,8 @@ from fsdp_sim.hardware.collectives import ProcessGroup
 from fsdp_sim.hardware.graph_pricing import GraphPricing, cluster_graph, node_stride
 from fsdp_sim.hardware.link_sharing import in_flight, share_links
 from fsdp_sim.hardware.profiles import Cluster, load_profile
-from fsdp_sim.hardware.rings import SPINES, group_layouts, uniform_spines
-from fsdp_sim.hardware.topology import with_bandwidth
+from fsdp_sim.hardware.rings import group_layouts, uniform_spines
+from fsdp_sim.hardware.topology import SPINES, build_topology, with_bandwidth, with_faults
 from fsdp_sim.hardware.variation import LinkFault
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -68,24 +68,28 @@ def fabrics(draw):
 @settings(max_examples=80, deadline=None)
 @given(fabrics(), st.booleans(), st.data())
 def test_the_fast_path_prices_as_every_ring_over_every_spine(fabric, slow_spine, data):
+    """Every spine drawn (`build_topology`): priced through the stand-in, and with every spine laid; and
+    on the graph the pricing builds, the spine layer one vertex (`cluster_graph`)."""
     cluster, faults, groups = fabric
-    graph = cluster_graph(cluster, faults)
+    graph = with_faults(build_topology(cluster), faults, cluster)
+    ways = [GraphPricing(graph, groups), GraphPricing(graph, groups, spines=True)]
     if slow_spine:  # a spine link unlike the others: no stand-in, every spine laid
         graph = with_bandwidth(graph, "spine0", data.draw(st.sampled_from([1e9, 5e9])))
         assert uniform_spines(graph) is None or sum(k == "spine" for _, k in graph.nodes(data="kind")) == 1
-    fast, laid = GraphPricing(graph, groups), GraphPricing(graph, groups, spines=True)
-    priced = [name for name in groups if fast.priced(name)]
+        ways = [GraphPricing(graph, groups)]
+    else:
+        ways.append(GraphPricing(cluster_graph(cluster, faults), groups))
+    priced = [name for name in groups if ways[0].priced(name)]
     for name in priced:
         for kind in KINDS:
             exact = _exact_busbw(graph, name, groups[name], kind)
-            assert fast.busbw_Bps(name, kind) == pytest.approx(exact, rel=1e-9)
-            assert laid.busbw_Bps(name, kind) == pytest.approx(exact, rel=1e-9)
+            assert [way.busbw_Bps(name, kind) for way in ways] == pytest.approx([exact] * len(ways), rel=1e-9)
     if priced:
         entries = tuple(data.draw(st.lists(st.tuples(st.sampled_from(priced), st.sampled_from(KINDS)),
                                            min_size=1, max_size=3)))
         exact = _exact_slowdowns(graph, groups, entries)
-        assert fast.slowdowns(entries) == pytest.approx(exact, rel=1e-9)
-        assert laid.slowdowns(entries) == pytest.approx(exact, rel=1e-9)
+        for way in ways:
+            assert way.slowdowns(entries) == pytest.approx(exact, rel=1e-9)
 
 
 def test_the_stand_in_carries_each_leafs_uplinks_together():
@@ -95,6 +99,10 @@ def test_the_stand_in_carries_each_leafs_uplinks_together():
     for spines in (1, 3):
         network = replace(gpu.fabric.network, topology="fat_tree", nodes_per_leaf=2, spines=spines,
                           oversubscription=2.0)
-        capacity = uniform_spines(cluster_graph(Cluster(gpu, 4, 8, network)))
+        cluster = Cluster(gpu, 4, 8, network)
+        capacity = uniform_spines(build_topology(cluster))
         assert capacity[("leaf0", SPINES)] == pytest.approx(2 * 8 * 24e9 / 2)
         assert capacity[(SPINES, "leaf1")] == pytest.approx(2 * 8 * 24e9 / 2)
+        one = cluster_graph(cluster)  # what the pricing builds: the layer one vertex, the count kept
+        assert one.edges["leaf0", SPINES]["bandwidth_Bps"] == pytest.approx(2 * 8 * 24e9 / 2)
+        assert (sum(k == "spine" for _, k in one.nodes(data="kind")), one.graph["spines"]) == (1, spines)

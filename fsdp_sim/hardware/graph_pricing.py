@@ -30,7 +30,7 @@ each (group, kind) is the slowest layout's with the links shared among all of th
 of (group, kind)) is found once and remembered: the engine meets only a handful of such sets in a step.
 Both read only the summed loads (`GraphPricing.busbw_Bps`, `slowdowns` say why that is exact), so the
 pricing is linear in the cluster's size: one pass over its rings, one over the links they cross (a
-hop between leaves crosses `rings.SPINES`, the spine layer as one, not each spine).
+hop between leaves crosses `topology.SPINES`, the spine layer as one vertex, not each spine).
 
 Known limits: rings only (no Tree, PAT, NVLS across nodes); an NVLS all-reduce inside a node is shared
 with the others as the ring it would otherwise run; a group whose shape does not tile the cluster is
@@ -75,11 +75,13 @@ def needs_graph(cluster: Cluster, faults: Sequence[LinkFault]) -> bool:
 
 
 def cluster_graph(cluster: Cluster, faults: Sequence[LinkFault] = ()) -> nx.DiGraph:
-    """The cluster's graph with its faults applied, built once per (fabric, nodes, GPUs a node, faults)."""
+    """The cluster's graph with its faults applied, built once per (fabric, nodes, GPUs a node, faults); its
+    spine layer is the one vertex `topology.SPINES` (the same prices, a link a leaf rather than a link a
+    leaf and spine: `fsdp-sim topology` writes every spine)."""
     key = (cluster.gpu.name, cluster.fabric, cluster.nodes, cluster.gpus_per_node, tuple(faults))
     graph = _GRAPHS.get(key)
     if graph is None:
-        graph = _remember(_GRAPHS, key, with_faults(build_topology(cluster), faults, cluster))
+        graph = _remember(_GRAPHS, key, with_faults(build_topology(cluster, one_spine=True), faults, cluster))
     return graph
 
 
@@ -106,7 +108,7 @@ class GraphPricing:
 
     def __init__(self, graph: nx.DiGraph, groups: Mapping[str, ProcessGroup], *, spines: bool = False) -> None:
         """`spines`: lay each hop between leaves over every spine, as `rings.ring_paths` does by default,
-        even where the spine layer's stand-in gives the same answers (`rings.SPINES`) in far less time."""
+        even where the spine layer's stand-in gives the same answers (`topology.SPINES`) in far less time."""
         self.graph = graph
         self.groups = dict(groups)
         stand_in = None if spines else uniform_spines(graph)

@@ -39,16 +39,9 @@ import networkx as nx
 
 from fsdp_sim.hardware.collectives import ProcessGroup
 from fsdp_sim.hardware.fabric import KINDS
-from fsdp_sim.hardware.topology import HUB_KIND, SCALE_UP_EDGES, gpu_name, nic_name
+from fsdp_sim.hardware.topology import HUB_KIND, SCALE_UP_EDGES, SPINES, gpu_name, nic_name
 
 Edge = tuple[str, str]
-# The spine layer as one vertex. A hop between leaves is spread evenly over every spine (ECMP), so where
-# each leaf has links of one capacity c to all S spines and back (`uniform_spines`: `build_topology`'s
-# fabric, whatever NIC is faulted) each of them carries 1/S of the leaf's cross-leaf traffic at 1/S of
-# its S c: the same load / capacity as one link of S c carrying it all, in every sharing rule. Pricing
-# through the stand-in lays one path a hop where the spines lay S (S grows with the cluster: 64 spines at
-# 512 H100 nodes), and so keeps the pricing linear in the cluster's size.
-SPINES = "spine*"
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,14 @@ TOPOLOGIES = LAYOUTS
 LEAF_DOWNLINKS = 32
 SPINES_PER_LEAF = 0.5  # the same table: 16 leaves / 8 spines (2 SUs), 32 / 16 (4 SUs)
 SCALE_UP_EDGES = frozenset(SCALE_UP_LINKS.values())  # edge kinds of links inside a node
+# The spine layer as one vertex. A hop between leaves is spread evenly over every spine (ECMP), so where
+# each leaf has links of one capacity c to all S spines and back (`rings.uniform_spines`: `build_topology`'s
+# fabric, whatever NIC is faulted) each of them carries 1/S of the leaf's cross-leaf traffic at 1/S of
+# its S c: the same load / capacity as one link of S c carrying it all, in every sharing rule. Pricing
+# through it lays one path a hop where the spines lay S, and the graph has a link a leaf where the spines
+# have S (S = half the leaves: 128 spines and 65,536 leaf-spine links at 1,024 H100 nodes, 4 million at
+# 8,192): both stay linear in the cluster's size.
+SPINES = "spine*"
 HUB_KIND = {"nvswitch": "nvswitch", "pcie": "pcie_switch"}  # fabric.scale_up -> its switch; a mesh has none
 
 
@@ -86,11 +94,14 @@ def job_nic_homes(node_gpus: int, job_gpus: int, nics: int) -> list[list[int]]:
 
 
 def build_topology(cluster: Cluster, *, topology: str | None = None, spines: int | None = None,
-                   nodes_per_leaf: int | None = None) -> nx.DiGraph:
+                   nodes_per_leaf: int | None = None, one_spine: bool = False) -> nx.DiGraph:
     """The cluster's graph (see the module docstring); each argument given overrides `hardware.network`'s
     key of that name. `spines`: default half the leaves (at least one);
     with traffic spread evenly over the spines (ECMP) their number changes no capacity, only the picture.
-    `nodes_per_leaf`: default `LEAF_DOWNLINKS` nodes a rail leaf, `LEAF_DOWNLINKS` NICs a fat-tree leaf."""
+    `nodes_per_leaf`: default `LEAF_DOWNLINKS` nodes a rail leaf, `LEAF_DOWNLINKS` NICs a fat-tree leaf.
+    `one_spine`: the spine layer as the one vertex `SPINES`, each leaf's links to it its uplinks together
+    (the graph collectives are priced on, `graph_pricing.cluster_graph`; `graph.graph["spines"]` still
+    says how many there are)."""
     fabric, net = cluster.fabric, cluster.fabric.network
     topology = _given(topology, net.topology) or ("rail_optimized" if net.rail_optimized else "fat_tree")
     spines, nodes_per_leaf = _given(spines, net.spines), _given(nodes_per_leaf, net.nodes_per_leaf)
@@ -146,11 +157,11 @@ def build_topology(cluster: Cluster, *, topology: str | None = None, spines: int
     spines = spines or max(1, math.floor(leaves * SPINES_PER_LEAF))
     # the layout as laid, defaults resolved: what the JSON says collectives were priced on (graph_pricing.facts)
     graph.graph.update(nodes_per_leaf=per_leaf, spines=spines, oversubscription=net.oversubscription)
-    for s in range(spines):
-        spine = f"spine{s}"
+    for s in range(1 if one_spine else spines):
+        spine = SPINES if one_spine else f"spine{s}"
         graph.add_node(spine, kind="spine", index=s)
         for leaf, down_Bps in down.items():
-            up = down_Bps / net.oversubscription / spines
+            up = down_Bps / net.oversubscription / (1 if one_spine else spines)
             graph.add_edge(leaf, spine, kind="spine", bandwidth_Bps=up, latency_s=0.0)
             graph.add_edge(spine, leaf, kind="spine", bandwidth_Bps=up, latency_s=0.0)
     return graph
