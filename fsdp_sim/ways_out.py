@@ -69,14 +69,19 @@ def ways_out(data: dict, base: Path) -> list[dict]:
 def _more_nodes(data: dict, base: Path, nodes: int) -> list[dict]:
     """The fewest nodes (doubling) on which the step fits, or a `none` row.
 
-    The search stops as soon as a doubling leaves the rank's required memory where it was. More nodes
-    shrink a rank only through what is sharded over them (parameters, gradients and optimizer state over
-    the shard group, 1 / its size); activations, the unsharded block and the buffers stay. A doubling that
-    shrinks nothing has a shard group that did not grow (HYBRID_SHARD's fixed `shard_size`, NO_SHARD) or
-    sharded state already under the caching allocator's rounding of its blocks; either way the next
-    doubling is alike, so the rest of the search would only simulate ever larger clusters (up to 1,024x
-    the nodes) to say the same. The first doubling is compared with the second, not with the scenario: it
-    may add a process group's NCCL buffers (HSDP's replicate group runs no collective while it has one rank)."""
+    The search stops as soon as a doubling leaves the rank's required memory where it was or raises it.
+    More nodes shrink a rank only through what is sharded over them: parameters, gradients and optimizer
+    state over the shard group, 1 / its size, a saving that halves with each doubling. What grows is the
+    padding: FSDP2 splits dim 0 into W chunks of ceil(dim0 / W) rows and pads every rank's to the first
+    one's (torch 2.13 `_fsdp_param.py`, `padded_sharded_size = chunks[0].size()  # 0th always padded`), so
+    an all-gather's output, W x that, passes dim 0 once W does and then doubles with W (405B FULL_SHARD
+    without checkpointing: 384.5 GiB required on 256 nodes, 384.6 on 512, 386.6 on 1,024, 448.2 on 8,192).
+    A doubling that saves nothing has a shard group that did not grow (HYBRID_SHARD's fixed `shard_size`,
+    NO_SHARD: every later doubling is alike) or a padding that grows as fast as the saving shrinks (every
+    later doubling saves less and pads more): either way no larger count fits, and the rest of the search
+    would only simulate ever larger clusters, up to 1,024x the nodes, each on the cluster graph where that
+    prices the collectives. The first doubling is compared with the second, not with the scenario: it may
+    add a process group's NCCL buffers (HSDP's replicate group runs no collective while it has one rank)."""
     required = None
     for k in range(1, MAX_NODE_DOUBLINGS + 1):
         trial = copy.deepcopy(data)
@@ -87,7 +92,7 @@ def _more_nodes(data: dict, base: Path, nodes: int) -> list[dict]:
         if row["within_budget"]:
             return [{"way": f"{nodes << k} nodes instead of {nodes}"} | row]
         if required is not None and row["required_bytes"] >= required:
-            return [{"way": f"more nodes: none fits as written ({nodes << k:,} nodes need as much a GPU as "
+            return [{"way": f"more nodes: none fits as written ({nodes << k:,} nodes need no less a GPU than "
                             f"{nodes << (k - 1):,}: memory stops shrinking)", "none": True}]
         required = row["required_bytes"]
     return [{"way": f"more nodes: none up to {nodes << MAX_NODE_DOUBLINGS:,} fits as written", "none": True}]

@@ -70,4 +70,4 @@ def test_more_nodes_stop_when_a_doubling_leaves_the_memory_where_it_was(tmp_path
     monkeypatch.setattr(ways_out_module, "run_point", counted)
     rows = ways_out(hsdp, tmp_path)
     assert [n for n in tried if n > 1] == [2, 4]
-    assert rows[-1]["none"] and rows[-1]["way"].endswith("(4 nodes need as much a GPU as 2: memory stops shrinking)")
+    assert rows[-1]["none"] and rows[-1]["way"].endswith("(4 nodes need no less a GPU than 2: memory stops shrinking)")
