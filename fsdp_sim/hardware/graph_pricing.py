@@ -151,9 +151,12 @@ class GraphPricing:
             name, kind = entry
             summed = self._summed.get(name)
             if summed is None:  # the paths are the kind's own but for the scale-up links' wire cost: laid once
-                summed = self._summed[name] = path_loads(
-                    p for gpus in self._layouts[name]
-                    for p in ring_paths(self.graph, gpus, spines=self._spines, memo=self._nics))
+                try:
+                    summed = self._summed[name] = path_loads(
+                        p for gpus in self._layouts[name]
+                        for p in ring_paths(self.graph, gpus, spines=self._spines, memo=self._nics))
+                except ValueError as exc:  # a node of fewer GPUs than NICs: its GPUs' own NICs all down
+                    raise ScenarioError(f"variation.links: {exc}") from None
                 links = self._capacity.links
                 self._scale_up[name] = {(u, v) for u, v in summed if links.get(u, {}).get(v, {}).get("kind") in SCALE_UP_EDGES}
             cost, up = wire_cost(self.graph, kind), self._scale_up[name]

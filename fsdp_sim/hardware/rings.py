@@ -173,7 +173,7 @@ def _nic(graph: nx.DiGraph, nic: str, memo: dict) -> tuple[list[str], bool, str]
 def _channels(graph: nx.DiGraph, node: int, members: list[str], memo: dict) -> dict[int, float]:
     """NIC index -> the share of the ring's traffic entering and leaving the node through it."""
     nics = [(j, _nic(graph, nic_name(node, j), memo)) for j in range(graph.graph["nics_per_node"])]
-    up = [j for j, (_, alive, _) in nics if alive]
+    up = [j for j, (attached, alive, _) in nics if attached and alive]  # beside a GPU of the job
     ours = set(members)
     own = [j for j, (attached, alive, _) in nics if alive and not ours.isdisjoint(attached)]
     use = own or up
