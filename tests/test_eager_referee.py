@@ -91,14 +91,16 @@ def _agree_by_phase(cfg: ReferenceConfig, run: dict) -> None:
 LORA_MODEL = ReferenceConfig(hidden=1024, layers=4, heads=8, kv_heads=8, ffn_hidden=2816, vocab=1000, max_seq=2048)
 
 
-@pytest.mark.parametrize("dropout, ac", [(0.0, "none"), (0.0, "full"), (0.1, "none")])
+@pytest.mark.parametrize("dropout, ac", [(0.0, "none"), (0.0, "full"), (0.1, "none"), (0.1, "full")])
 def test_peft_input_casts_under_autocast(dropout, ac):
     """LoRA on every Linear of a frozen bf16 base, fp32 adapters, the plain step under bf16 autocast, with peft's
     `_cast_input_dtype` (lora_referee.LoraLinear): each adapted Linear's input copied to fp32, cast back and
-    saved by lora_A. Before the simulator modelled it the peaks were 3.5 % to 15.0 % low; after, measured
-    (2026-12-03): peak -1.40 % / -1.75 % / -1.85 %, forward and backward within 2.4 %. Not a case: full
-    checkpointing with dropout, whose backward peak is -4.90 % (-11.65 % before): the recomputed block
-    there keeps 16 MiB the simulator's saved bytes for a first block miss (the same case without the
-    cast was +2.13 %)."""
+    saved by lora_A. Before the simulator modelled it the peaks were 3.5 % to 15.0 % low. A frozen base saves
+    no input, yet the block's code holds attention_norm's output, the residual, ffn_norm's output and w2's
+    input at the adapters' moments (`transformer.unsaved_references`): with them, measured (2026-12-03),
+    peak +0.70 % / +1.40 % / +0.62 % / -1.22 % (before -1.40 / -1.75 / -1.85 / -4.90 %: the last, full
+    checkpointing with dropout, peaked in the first recompute at w2's adapter, 19 MiB of those tensors
+    beside 48 MiB of transients), forward and backward within 2.6 %. The +1.40 %: a recompute stops at
+    lora_B's save (checkpoint's early stop), before w2's sum that the simulator's moment prices."""
     lora = dict(targets=("all-linear",), rank=16, alpha=32.0, dropout=dropout, frozen_dtype="bf16")
     _agree_by_phase(LORA_MODEL, dict(batch=1, seq=2048, activation_checkpointing=ac, dtype="fp32", autocast=True, lora=lora))

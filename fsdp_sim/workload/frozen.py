@@ -222,6 +222,13 @@ def _unkept_inputs(m: Module, needs_dw: dict[str, bool], reads_input: frozenset[
     return frozenset(unkept), dropped
 
 
+def unkept_inputs(m: Module) -> frozenset[str]:
+    """The Linears of block `m` whose input no one keeps, as its kernels' `weight_grad` flags leave them (no
+    adapter reading a base's input: peft's input cast gives lora_A a copy of its own, `lora.peft_input_casts`)."""
+    needs_dw = {k.name: k.weight_grad for k in m.kernels if k.kind == "gemm"}
+    return _unkept_inputs(m, needs_dw, frozenset(), 1)[0]
+
+
 def built_from(m: Module, recipe: dict | None) -> bool:
     """Whether block `m` is one the builder made from `recipe` (Workload.meta[BLOCK_RECIPE]): its Linears
     (wq .. w2) all there, at the recipe's shapes, whatever kernels transforms added beside them."""

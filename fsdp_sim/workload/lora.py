@@ -39,10 +39,10 @@ from fsdp_sim.datafile import get_key, reject_unknown_keys
 from fsdp_sim.dtypes import itemsize
 from fsdp_sim.errors import ScenarioError, show
 from fsdp_sim.workload.frozen import (LORA_A, LORA_B, LORA_DROPOUT, QUANT_STATE_SUFFIX, UNFROZEN, built_from,
-                                      freeze_where, linear_weights)
+                                      freeze_where, linear_weights, unkept_inputs)
 from fsdp_sim.workload.kernels import elementwise, gemm
 from fsdp_sim.workload.model import Kernel, Module, Param, Workload
-from fsdp_sim.workload.transformer import BLOCK_RECIPE, recipe_activations
+from fsdp_sim.workload.transformer import BLOCK_RECIPE, recipe_activations, unsaved_references
 
 PEFT_INPUT_CAST = " peft input cast"  # `_cast_input_dtype`: x.to(lora_A.weight.dtype) (peft_input_casts)
 PEFT_AUTOCAST_CAST = " lora_A autocast cast"  # autocast casting that copy back for lora_A's matmul
@@ -200,7 +200,8 @@ def peft_input_casts(wl: Workload, adapter_bytes: int) -> Workload:
     to the base's input gradient. Per adapted Linear of n = tokens x in-features elements:
     - saved: + n in the compute dtype without dropout (lora_A's own copy); unchanged with it;
     - forward moment: the fp32 copy, and the dropout's fp32 output with dropout, beside the base output;
-      then the copy beside the base output, the scaled adapter output and the sum (and in a checkpointed
+      then the copy beside the base output, the scaled adapter output and the sum, each beside the inputs
+      the block's code holds that no frozen base saves (`transformer.unsaved_references`; in a checkpointed
       block's forward, which saves nothing, the moments `transformer._nosave_peak` adds for them);
     - backward moment: the two fp32 gradients with dropout (one and the compute-dtype one without), beside
       the base's input gradient waiting in the input's buffer;
@@ -221,6 +222,8 @@ def peft_input_casts(wl: Workload, adapter_bytes: int) -> Workload:
             continue
         dropouts = {k.name[:-len(LORA_DROPOUT)] for k in m.kernels if k.name.endswith(LORA_DROPOUT)}
         saved, temp, bwd_temp, kernels = m.saved_bytes, m.fwd_temp_bytes, m.bwd_temp_bytes, []
+        # what the code holds unsaved at each adapter's moment: a frozen base's input (none where unknown)
+        held = unsaved_references(recipe, unkept_inputs(m)) if built_from(m, recipe) else {}
         for k in m.kernels:
             name = k.name[:-len(LORA_DROPOUT)] if k.name.endswith(LORA_DROPOUT) else k.name[:-len(LORA_A)]
             if name not in adapters or not k.name.endswith((LORA_DROPOUT, LORA_A)):
@@ -237,7 +240,7 @@ def peft_input_casts(wl: Workload, adapter_bytes: int) -> Workload:
                 saved += n * p
             kernels += [elementwise(name + PEFT_AUTOCAST_CAST, n * (p + q), n * (p + q), recompute=k.recompute), k]
             # the copies beside the base output; then the copy beside it, the scaled adapter output and the sum
-            temp = max(temp, n * q * (2 if dropout else 1) + out, n * q + 3 * out)
+            temp = max(temp, held.get(name, 0) + max(n * q * (2 if dropout else 1) + out, n * q + 3 * out))
             bwd_temp = max(bwd_temp, (2 * n * q if dropout else n * q + n * p) + n * p)
         # with dropout the input cast comes before it: put it there
         for name in dropouts & set(adapters):

@@ -338,6 +338,27 @@ def _nosave_peak(d: TransformerDims, tok: int, p: int, scores: int, adapters: fr
     return max(projections, attention, 2 * bsh + norm, mlp, 3 * bsh + bsf + lora["w2"], 3 * bsh + dropout)
 
 
+def unsaved_references(recipe: dict, unkept: frozenset[str]) -> dict[str, int]:
+    """At each Linear's call (wq .. w2), the tensors the block's code still refers to that autograd does not
+    save, where `unkept` (`frozen.unkept_inputs`) names the Linears whose input no one keeps. A moment is
+    priced as the saved tensors plus its transients, which assumes every live tensor is saved; a frozen
+    base's input is not (`mm` saves its input only for the weight's gradient), yet it lives while the code
+    holds it: attention_norm's output is `Attention.forward`'s `x` to its return (wq .. wo); the residual `h`
+    is the block's local to its end (saved only by a norm that keeps its input, `norm_saves`), ffn_norm's
+    output `FeedForward.forward`'s `x` (w1 .. w2), and the product w2 reads an argument until w2 returns.
+    Measured on the plain step's eager referee (`tests/test_eager_referee.py`): w2's moment in a recompute
+    held the three of them, 19 MiB beside its 48 MiB of transients."""
+    r = dict(recipe)
+    d, p = TransformerDims(**dict(r["dims"])), r["bytes"]
+    tok = r["micro_batch"] * r["seq_len"]
+    bsh, bsf = tok * d.hidden * p, tok * d.ffn * p
+    attention = bsh if {"wq", "wk", "wv"} <= unkept else 0
+    h = 0 if norm_saves(d, tok, p).keeps_input else bsh
+    mlp = h + (bsh if "w1" in unkept else 0)  # w1 and w3 read it: unkept together (`frozen._INPUT_GROUPS`)
+    return {"wq": attention, "wk": attention, "wv": attention, "wo": attention, "w1": mlp, "w3": mlp,
+            "w2": mlp + (bsf if "w2" in unkept else 0)}
+
+
 def block_recipe(d: TransformerDims, b: int, s: int, p: int, norm_tokens: int | None = None) -> dict:
     """`block_activations`' arguments as plain data (Workload.meta[BLOCK_RECIPE])."""
     return {"dims": asdict(d), "micro_batch": b, "seq_len": s, "bytes": p, "norm_tokens": norm_tokens}
