@@ -33,7 +33,10 @@ TESTS = Path(__file__).resolve().parent.parent / "tests"
 
 
 def _test_module(name: str):
-    """A test module, imported from its file (tests/ is not a package): its case lists are the cases."""
+    """A test module, imported from its file (tests/ is not a package; some import its conftest): its case
+    lists are the cases."""
+    if str(TESTS) not in sys.path:
+        sys.path.append(str(TESTS))
     spec = importlib.util.spec_from_file_location(f"_referee_{name}", TESTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
