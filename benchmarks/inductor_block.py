@@ -10,7 +10,7 @@ one core).
 
 T tokens, H hidden, Q heads x head_dim, KV the k / v projections' width, F the MLP's width, S the
 sequence, D the head_dim; bf16 the activation dtype, f32 the upcasts (a complex64 buffer as float
-pairs). Dims: fsdp_sim.torch_tools.inductor_block.BlockConfig.
+pairs). Dims: fsdp_sim.torch_tools.llama_block.BlockConfig.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import argparse
 import math
 import warnings
 
-from fsdp_sim.torch_tools.inductor_block import (CHECKPOINTS, STYLES, BlockConfig, extract, graphs_under_fully_shard,
-                                                 terms)
+from fsdp_sim.torch_tools.inductor_block import extract
+from fsdp_sim.torch_tools.llama_block import CHECKPOINTS, STYLES, BlockConfig, graphs_under_fully_shard, terms
 
 # the tables the simulator holds: (style, attention, checkpoint); `gpt` blocks are multi-head (GPT-2, NeoX, ViT)
 TABLES = [(style, attn, ck) for style in STYLES for attn in ("gqa", "mha") for ck in ("none", "selective_op")

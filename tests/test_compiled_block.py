@@ -56,7 +56,8 @@ def test_the_table_is_what_inductor_compiles(key):
     """Saved set, forward transient and backward peak, and every memory-bound kernel's bytes, against a
     block compiled now with the installed torch, for every table the simulator holds."""
     pytest.importorskip("torch")
-    from fsdp_sim.torch_tools.inductor_block import BlockConfig, extract
+    from fsdp_sim.torch_tools.inductor_block import extract
+    from fsdp_sim.torch_tools.llama_block import BlockConfig
     style, attn, ck = key
     cfg = BlockConfig(batch=3, style=style, kv_heads=1 if attn == "gqa" else 4, checkpoint=ck)
     e = extract(cfg)
@@ -93,7 +94,8 @@ def test_under_full_checkpointing_the_compiled_backward_recomputes_what_eager_by
     the eager block's saved bytes and backward transient add up to, within 2.5 % (0.7 % and 2.3 % here), where the
     no-checkpoint table's would be 9-10 % short: why `compiled_workload(checkpoint="full")` keeps the eager bytes."""
     pytest.importorskip("torch")
-    from fsdp_sim.torch_tools.inductor_block import BlockConfig, extract
+    from fsdp_sim.torch_tools.inductor_block import extract
+    from fsdp_sim.torch_tools.llama_block import BlockConfig
     cfg = BlockConfig(batch=3, checkpoint="full", head_dim=head_dim)
     e = extract(cfg)
     # nothing but the input (a `primals`) and the generator's state (5,056 B of the CPU's Mersenne
@@ -112,7 +114,7 @@ def test_fully_shard_on_the_compiled_block_adds_no_graph():
     """torchtitan's order, compile then `fully_shard`: FSDP2's hooks run outside the compiled block, so
     two steps make one Dynamo graph (no break at the hooks, no recompile once parameters are unsharded)."""
     pytest.importorskip("torch")
-    from fsdp_sim.torch_tools.inductor_block import BlockConfig, graphs_under_fully_shard
+    from fsdp_sim.torch_tools.llama_block import BlockConfig, graphs_under_fully_shard
     assert graphs_under_fully_shard(BlockConfig(batch=3)) == 1
 
 
@@ -293,5 +295,5 @@ def test_tensor_parallel_then_compile_is_one_graph():
     What the table lacks for a TP block is those collectives and the sharded shapes: why TP blocks keep
     the old path (compiled_block.py)."""
     pytest.importorskip("torch")
-    from fsdp_sim.torch_tools.inductor_block import BlockConfig, graphs_under_tensor_parallel
+    from fsdp_sim.torch_tools.llama_block import BlockConfig, graphs_under_tensor_parallel
     assert graphs_under_tensor_parallel(BlockConfig(batch=3, kv_heads=2)) == 1
