@@ -2,7 +2,8 @@
 compiled forward and backward, each one's bytes read and written as counts of the block's sizes, and
 the saved set AOTAutograd's min-cut partitioner keeps. `fsdp_sim/workload/compiled_block_data.py` is
 this output for every block the simulator prices compiled (`--emit-all` writes it, a few minutes on
-one core).
+one core): `TABLES`, and `LORA_TABLES` for the Llama codes with peft's LoRA on q / k / v / o (rank 8,
+dropout 0.05; `R` the rank, `C<n>` the RNG seeds' fixed n bytes).
 
     python benchmarks/inductor_block.py [--style torchtitan|hf_llama|gpt] [--kv-heads 1|4]
                                         [--checkpoint none|full|selective_op] [--lora-rank R]
@@ -25,6 +26,9 @@ from fsdp_sim.torch_tools.llama_block import CHECKPOINTS, STYLES, BlockConfig, g
 # the tables the simulator holds: (style, attention, checkpoint); `gpt` blocks are multi-head (GPT-2, NeoX, ViT)
 TABLES = [(style, attn, ck) for style in STYLES for attn in ("gqa", "mha") for ck in ("none", "selective_op")
           if not (style == "gpt" and attn == "gqa")]
+# peft LoRA (rank R, dropout 0.05) on q / k / v / o around a frozen base: the Llama codes, no checkpoint
+LORA_RANK = 8
+LORA_TABLES = [(style, attn, "none") for style in ("torchtitan", "hf_llama") for attn in ("gqa", "mha")]
 
 
 def _show(t: dict[str, int]) -> str:
@@ -73,6 +77,8 @@ def main() -> None:
 
 
 def _symbol(name: str, nbytes: int, dtype: str, cfg) -> str:
+    if dtype == "int64":  # Inductor's RNG seeds (`inductor_seeds`: one int64 per random op), a fixed size
+        return f"C{nbytes}"
     (key,) = terms({name: nbytes}, cfg, {name: dtype})
     if key.startswith("?"):
         raise ValueError(f"buffer {name}: {nbytes} B ({dtype}) is no product of the block's sizes")
@@ -100,19 +106,24 @@ def table(e) -> tuple:
 def emit_all() -> None:
     import torch
     print(HEADER.format(version=torch.__version__, cfg=BlockConfig(batch=3)))
-    print("TABLES = {")
-    for style, attn, ck in TABLES:
-        cfg = BlockConfig(style=style, batch=3, kv_heads=1 if attn == "gqa" else 4, checkpoint=ck)
-        rows, saved, outputs = table(extract(cfg))
-        print(f"    {(style, attn, ck)!r}: (")
-        print("        (")
-        for r in rows:
-            print(f"            {r!r},")
-        print("        ),")
-        print(f"        {saved!r},")
-        print(f"        {outputs!r},")
-        print("    ),")
-    print("}")
+    for name, keys, rank in (("TABLES", TABLES, 0), ("LORA_TABLES", LORA_TABLES, LORA_RANK)):
+        if rank:
+            print(f"\n# the same blocks with peft's LoRA (rank {rank}, alpha {2 * rank}, dropout 0.05) on q / k / v / o, "
+                  "every other parameter frozen\n# (`LlamaBlock` with `lora_rank`); `R` the rank, `C<n>` a "
+                  "fixed n bytes (the RNG seeds, one int64 per dropout)")
+        print(f"{name} = {{")
+        for style, attn, ck in keys:
+            cfg = BlockConfig(style=style, batch=3, kv_heads=1 if attn == "gqa" else 4, checkpoint=ck, lora_rank=rank)
+            rows, saved, outputs = table(extract(cfg))
+            print(f"    {(style, attn, ck)!r}: (")
+            print("        (")
+            for r in rows:
+                print(f"            {r!r},")
+            print("        ),")
+            print(f"        {saved!r},")
+            print(f"        {outputs!r},")
+            print("    ),")
+        print("}")
 
 
 HEADER = '''"""What Inductor (torch {version}) compiles one transformer block into, as data: every kernel of the

@@ -408,7 +408,7 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     workload = adapt_workload(workload, adaptation) if adaptation else workload
     if options.torch_compile:  # Inductor's kernels and saved set, or why not (workload/compiled_block.py)
         workload = compiled_workload(workload, tp.size, checkpoint=ac, adapted=bool(adaptation),
-                                     torch_version=options.torch_version)
+                                     torch_version=options.torch_version, fsdp2=version == 2)
     _check_scale(workload, grad_accumulation)
     if "trace" in compute:
         trace = Path(get_key("compute", compute, "trace", str))

@@ -24,7 +24,7 @@ from fsdp_sim.simulate import simulate
 from fsdp_sim.workload.checkpointing import COMPILED_SAC, compiled_op_policy
 from fsdp_sim.workload.compiled_block import (MIX_ORDER_MIN_NUMEL, compiled_activations, compiled_kernels,
                                             mix_order_fusion, table_key)
-from fsdp_sim.workload.compiled_block_data import TABLES
+from fsdp_sim.workload.compiled_block_data import LORA_TABLES, TABLES
 from fsdp_sim.workload.kernels import block_kernels
 from fsdp_sim.workload.model import Module
 from fsdp_sim.workload.presets import PRESETS
@@ -211,13 +211,17 @@ def test_each_block_code_gets_its_own_table(path, key):
 
 
 @pytest.mark.parametrize("path, changes, reason", [
-    ("scenarios/llama2-70b-8xa100-80gb-lora.yaml", {}, "LoRA / frozen-base blocks"),
+    ("scenarios/llama2-70b-8xa100-80gb-qlora.yaml", {}, "QLoRA blocks"),
+    ("scenarios/llama2-70b-8xa100-80gb-lora.yaml", {"model": {"preset": "llama2-70b", "frozen_dtype": "bf16",
+     "lora": {"rank": 16, "alpha": 32, "targets": ["q_proj", "v_proj"], "dropout": 0.05}}}, "LoRA on wq, wv"),
+    ("scenarios/llama2-70b-8xa100-80gb-lora.yaml", {"model": {"preset": "llama2-70b", "frozen_dtype": "bf16",
+     "lora": {"rank": 16, "alpha": 32, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]}}}, "LoRA without dropout"),
     ("scenarios/gemma2-9b-8xh100-hf.yaml", {}, "gemma2 blocks"),
     ("scenarios/published/torchtitan-llama3-70b-s8192-256xh100-96gb-mb16-tp8-compile-float8.yaml", {},
      "tensor-parallel blocks"),
 ])
 def test_blocks_outside_the_tables_keep_the_old_path_and_say_so(path, changes, reason):
-    """LoRA, tensor-parallel and Gemma blocks are not in Inductor's table: their kernels stay the eager
+    """QLoRA, LoRA on other targets or without dropout, tensor-parallel and Gemma blocks are not in Inductor's table: their kernels stay the eager
     block's (priced at hand-written fused speed under torch_compile) and the software line names the
     approximation."""
     from fsdp_sim.results.report import software_line
@@ -297,3 +301,84 @@ def test_tensor_parallel_then_compile_is_one_graph():
     pytest.importorskip("torch")
     from fsdp_sim.torch_tools.llama_block import BlockConfig, graphs_under_tensor_parallel
     assert graphs_under_tensor_parallel(BlockConfig(batch=3, kv_heads=2)) == 1
+
+
+@pytest.mark.slow  # Inductor compiles a block (C++ on the CPU): about 20 s each
+@pytest.mark.parametrize("key", sorted(LORA_TABLES))
+def test_the_lora_table_is_what_inductor_compiles(key):
+    """The LoRA tables (read at rank 8) against a block compiled now at rank 6: one graph, the saved set
+    (dropout masks, dropped inputs, lora_A's outputs) as autograd's hooks see the compiled Function
+    keep it, the transients, and every memory-bound kernel's bytes (the random kernels, the norm writing
+    the three dropped copies, each scale + add fused into the next kernel)."""
+    pytest.importorskip("torch")
+    from fsdp_sim.torch_tools.inductor_block import extract
+    from fsdp_sim.torch_tools.llama_block import BlockConfig
+    style, attn, _ = key
+    cfg = BlockConfig(batch=3, style=style, kv_heads=1 if attn == "gqa" else 4, lora_rank=6)
+    e = extract(cfg)
+    assert e.graphs == 1
+    d = _dims(cfg)
+    saved, fwd_temp, bwd_peak, _ = compiled_activations(d, cfg.batch, cfg.seq, 2, key, lora_rank=6)
+    assert saved == e.saved_bytes() - _rope_views(e) == e.compiled_saved_bytes
+    assert saved < e.eager_saved_bytes  # the compiled block keeps less than eager autograd
+    peak, end = e.transient("forward")
+    assert fwd_temp == peak - end
+    assert bwd_peak == e.transient("backward")[0]
+    memory = [n for n in e.nodes if n.kind == "generated" or (n.kind == "library" and "mm" not in n.name
+                                                                  and "scaled_dot_product" not in n.name)]
+    ours = [k for k in compiled_kernels(d, cfg.batch, cfg.seq, 2, causal=True, key=key, torch_version=(2, 9),
+                                        lora_rank=6) if k.kind in MEMORY_KINDS]
+    assert len(ours) == len(memory)
+    for k, n in zip(ours, memory):
+        assert k.bytes + k.bwd_bytes == n.read_bytes + n.write_bytes
+        assert (k.bytes > 0) == (n.graph == "forward")
+
+
+def _lora_70b(**changes):
+    return _scenario("scenarios/llama2-70b-8xa100-80gb-lora.yaml", compute={"torch_compile": True}, **changes)
+
+
+@pytest.mark.parametrize("checkpoint", ["full", "none"])
+def test_lora_blocks_take_the_lora_table_but_the_first(checkpoint):
+    """peft's LoRA on q / k / v / o with dropout under FSDP2: every block after the first runs the LoRA
+    table's generated kernels beside its own GEMMs (the frozen base's without weight gradients) and no
+    eager adapter chain; the first block, whose input needs no gradient, keeps the eager path. Without a
+    checkpoint the blocks keep the table's saved set, below what eager autograd keeps; under the full
+    checkpoint the eager bytes stay, as for the dense blocks."""
+    from fsdp_sim.workload.compiled_block import ADAPTER_KERNELS
+    from fsdp_sim.workload.frozen import LORA_A
+    training = {"micro_batch": 1, "seq_len": 4096, "optimizer": "adamw", "activation_checkpointing": checkpoint}
+    sc, eager = _lora_70b(training=training), _scenario("scenarios/llama2-70b-8xa100-80gb-lora.yaml", training=training)
+    blocks = [m for m in sc.workload.modules if m.is_block]
+    before = {m.name: m for m in eager.workload.modules if m.is_block}
+    assert "peft LoRA on q / k / v / o" in sc.workload.meta["compiled_blocks"]
+    assert blocks[0] == before[blocks[0].name]
+    d = TransformerDims(**sc.workload.meta["block_activations"]["dims"])
+    key = ("torchtitan", "gqa", "none")
+    for m in blocks[1:]:
+        old = before[m.name]
+        gemms = [k for k in old.kernels if k.kind in ("gemm", "attention")]
+        assert [k for k in m.kernels if k.kind in ("gemm", "attention")] == gemms
+        assert any(k.name.endswith(LORA_A) for k in gemms) and not any(k.weight_grad for k in gemms
+                                                                          if k.kind == "gemm" and not k.name.endswith(ADAPTER_KERNELS))
+        assert not any(k.name.endswith(ADAPTER_KERNELS) for k in m.kernels if k.kind not in ("gemm", "attention"))
+        assert m.kernels == compiled_kernels(d, 1, 4096, 2, causal=True, key=key, lora_rank=16, library=old.kernels)
+        if checkpoint == "none":
+            assert m.saved_bytes == compiled_activations(d, 1, 4096, 2, key, lora_rank=16)[0] < old.saved_bytes
+        else:
+            assert (m.saved_bytes, m.fwd_temp_bytes, m.bwd_temp_bytes) == \
+                (old.saved_bytes, old.fwd_temp_bytes, old.bwd_temp_bytes)
+
+
+def test_lora_table_only_where_it_was_read():
+    """FSDP1 (`use_orig_params` re-derives the blocks from the unfrozen ones) and a GPT-2 style block
+    (no LoRA table) keep the approximation, saying why."""
+    sc = _lora_70b(fsdp={"version": 1, "sharding_strategy": "FULL_SHARD",
+                         "mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}})
+    assert sc.workload.meta["compiled_blocks"].startswith("LoRA blocks outside FSDP2")
+    gpt = parse_scenario({"name": "gpt2-lora", "training": {"micro_batch": 1, "seq_len": 1024},
+                          "model": {"preset": "gpt2", "lora": {"rank": 8, "targets": ["wq", "wk", "wv", "wo"],
+                                                               "dropout": 0.05}},
+                          "hardware": {"profile": "a100-80gb", "nodes": 1, "gpus_per_node": 8},
+                          "compute": {"torch_compile": True}})
+    assert gpt.workload.meta["compiled_blocks"].startswith("LoRA on GPT-2 style blocks")

@@ -25,16 +25,23 @@ heads x head_dim != hidden, so every buffer names its own size):
   table's saved set from its forward to the end of its backward, and its backward reruns the GEMMs the
   policy does not cache (checkpointing.py `compiled_op_policy`); the recomputed memory-bound ops are
   fused into the backward's kernels, whose bytes the table holds.
+- peft's LoRA on q / k / v / o with dropout around a frozen base (`LORA_TABLES`, read at rank 8 for the
+  two Llama codes; `lora_table_rank` says where it applies): one graph; each target's dropout mask an
+  Inductor random kernel (a bool tensor), the three masks of the norm's output applied and the dropped
+  copies written by the norm's own kernel; each adapter's scale and add fused into the kernel after it
+  (the RoPE upcast, the residual add); saved: the masks, the dropped inputs, lora_A's outputs, no input
+  only a frozen Linear reads. The GEMMs are the adapted block's own (no weight gradient for the frozen
+  base, `frozen.py`). Under the full checkpoint the blocks keep `lora.py`'s eager bytes, as the dense
+  blocks do (checked against a compile for the dense block only).
+  The first block is left as it was: the embedding is frozen, so its input needs no gradient and
+  Dynamo compiles it as a graph of its own, not read.
 
 Not read, so priced as before (every memory-bound chain one fused kernel at hand-written speed, the eager
 block's saved bytes: an approximation, named in the summary's software line, `compiled_note`):
-LoRA / QLoRA / frozen-base blocks (QLoRA's dequantize stays a bitsandbytes kernel, not one Inductor
-generates; `benchmarks/inductor_block.py --lora-rank 8` shows what Inductor makes of peft's LoRA on q / k
-/ v / o with dropout 0.05: one graph; each target's dropout mask an Inductor random kernel, the three
-masks of the norm's output and their dropped copies written by the norm's own kernel; each adapter's
-scale and add fused into the kernel after it (the RoPE upcast, the residual add); saved: the bool masks,
-the dropped inputs, lora_A's outputs, 35 % below eager's saves -- not yet a table the LoRA path applies),
-tensor-parallel blocks (the table has no DTensor redistributions; torchtitan compiles each block after
+QLoRA (its dequantize stays a bitsandbytes kernel, not one Inductor generates), LoRA on other targets,
+without dropout, on a base stored in another dtype, under the op-level selective checkpoint, or outside
+FSDP2 (FSDP1's `use_orig_params` and a plain run's autocast casts re-derive the adapted blocks), blocks
+with only `model.frozen`, tensor-parallel blocks (the table has no DTensor redistributions; torchtitan compiles each block after
 `parallelize_module` with `fullgraph=True`, and Dynamo traces the DTensor hooks and redistributions into the graph,
 no graph break (tests/test_compiled_block.py `test_tensor_parallel_then_compile_is_one_graph`),
 but the table was not read with them), mixture-of-experts blocks, Gemma / Phi-3 / GPT-NeoX / Qwen3
@@ -52,6 +59,7 @@ from dataclasses import replace
 
 from fsdp_sim.workload import compiled_block_data as data
 from fsdp_sim.workload.checkpointing import COMPILED_SAC, INDUCTOR_KERNEL
+from fsdp_sim.workload.frozen import LORA_A, LORA_B, LORA_DROPOUT, LORA_SCALE_ADD
 from fsdp_sim.workload.kernels import block_kernels
 from fsdp_sim.workload.model import Kernel, Module, Workload
 from fsdp_sim.workload.transformer import BLOCK_RECIPE, TransformerDims
@@ -72,18 +80,25 @@ MIX_ORDER_MAX_COLS = 16 * 1024
 
 TABLE_STYLES = {"torchtitan": "torchtitan Llama", "hf_llama": "transformers Llama", "gpt": "GPT-2 style"}
 HF_LLAMA = ("llama", "mistral", "qwen2")  # transformers' model types whose decoder layer is Llama's code
-_FACTOR = re.compile(r"heads|KV|[THQFSD]")
+_FACTOR = re.compile(r"heads|KV|[THQFSDR]")
+_FIXED = re.compile(r"C(\d+)")  # a size that is no product of the block's: n bytes (the RNG seeds)
+DTYPE_BYTES = {"f32": 4, "bool": 1}  # a symbol's `_<dtype>`; none: the activation dtype
+# the LoRA table's targets (peft's q_proj, k_proj, v_proj, o_proj) in the workload's names
+LORA_TARGETS = frozenset({"wq", "wk", "wv", "wo"})
+ADAPTER_KERNELS = (LORA_DROPOUT, LORA_A, LORA_B, LORA_SCALE_ADD)  # the eager adapter's kernels (lora.py)
 
 
-def _sizes(d: TransformerDims, tok: int, s: int, p: int, symbols) -> dict[str, int]:
+def _sizes(d: TransformerDims, tok: int, s: int, p: int, symbols, rank: int = 0) -> dict[str, int]:
     """Bytes of each size symbol the table uses ("TKV_f32": tokens x kv width x 4 bytes, "QH": the wq
-    weight in the activation dtype, ...)."""
+    weight in the activation dtype, "TH_bool" a dropout mask, "RH" a LoRA A weight, "C32" 32 bytes, ...)."""
     dims = {"T": tok, "H": d.hidden, "Q": d.q_dim, "KV": d.kv * d.head_dim, "F": d.ffn, "S": s, "D": d.head_dim,
-            "heads": d.heads}
+            "heads": d.heads, "R": rank}
     out = {}
     for sym in symbols:
         base, _, dtype = sym.partition("_")
-        out[sym] = math.prod(dims[f] for f in _FACTOR.findall(base)) * (4 if dtype == "f32" else p)
+        fixed = _FIXED.fullmatch(base)
+        out[sym] = int(fixed[1]) if fixed else \
+            math.prod(dims[f] for f in _FACTOR.findall(base)) * DTYPE_BYTES.get(dtype, p)
     return out
 
 
@@ -109,9 +124,10 @@ def table_key(d: TransformerDims, meta: dict, *, checkpoint: str = "none") -> tu
     return (style, "mha" if d.kv == d.heads else "gqa", ck), ""
 
 
-def _table(d: TransformerDims, key: tuple[str, str, str] | None):
-    """The table `key` names; None: torchtitan's block without a checkpoint, `d`'s attention."""
-    return data.TABLES[key or ("torchtitan", "mha" if d.kv == d.heads else "gqa", "none")]
+def _table(d: TransformerDims, key: tuple[str, str, str] | None, lora: bool = False):
+    """The table `key` names (`lora`: the block with peft's adapters on q / k / v / o); None: torchtitan's
+    block without a checkpoint, `d`'s attention."""
+    return (data.LORA_TABLES if lora else data.TABLES)[key or ("torchtitan", "mha" if d.kv == d.heads else "gqa", "none")]
 
 
 def mix_order_fusion(d: TransformerDims, tokens: int, torch_version: tuple[int, ...]) -> bool:
@@ -121,7 +137,8 @@ def mix_order_fusion(d: TransformerDims, tokens: int, torch_version: tuple[int, 
 
 
 def compiled_kernels(d: TransformerDims, b: int, s: int, p: int, *, causal: bool, key: tuple[str, str, str] | None = None,
-                     torch_version: tuple[int, ...] = (2, 13)) -> tuple[Kernel, ...]:
+                     torch_version: tuple[int, ...] = (2, 13), lora_rank: int = 0,
+                     library: tuple[Kernel, ...] | None = None) -> tuple[Kernel, ...]:
     """The block's kernels under torch.compile: the eager block's GEMMs and attention, then each kernel
     Inductor generates (`inductor_reduction` / `inductor_pointwise`) and each eager ATen kernel it
     leaves (`elementwise`: the complex RoPE multiply, the rotary table's clone), forward ones with
@@ -129,11 +146,13 @@ def compiled_kernels(d: TransformerDims, b: int, s: int, p: int, *, causal: bool
     add) comes after the last saved tensor: a checkpoint's recompute stops before it. Where mix-order
     reduction fuses the norms' weight gradients into their input gradients' kernels (`mix_order_fusion`),
     their kernel of their own is gone: its reads are those kernels' reads, its writes a hidden-sized row.
-    `key`: the table (`table_key`; None: torchtitan's block without a checkpoint)."""
-    kernels, _, _ = _table(d, key)
-    sizes = _sizes(d, b * s, s, p, _symbols(kernels))
+    `key`: the table (`table_key`; None: torchtitan's block without a checkpoint). `lora_rank` > 0: the
+    LoRA table at that rank, `library` the adapted block's own GEMMs and attention (a frozen base runs no
+    weight gradient: `frozen.py`) in place of the eager block's."""
+    kernels, _, _ = _table(d, key, lora=lora_rank > 0)
+    sizes = _sizes(d, b * s, s, p, _symbols(kernels), lora_rank)
     mix_order = mix_order_fusion(d, b * s, torch_version)
-    out = [k for k in block_kernels(d, b, s, p, causal=causal) if k.kind in ("gemm", "attention")]
+    out = [k for k in (library or block_kernels(d, b, s, p, causal=causal)) if k.kind in ("gemm", "attention")]
     last_forward = max(i for i, row in enumerate(kernels) if row[0] == "forward" and row[1] == "generated")
     for i, (graph, kind, ops, reads, writes) in enumerate(kernels):
         if kind == "view" or ops.startswith(("aten.mm", "aten.addmm", "aten._scaled_dot_product")):  # priced as eager
@@ -195,17 +214,18 @@ def walk_schedule(rows, graph: str, sizes: dict[str, int], start: dict[str, int]
     return peak - begin, level - begin, tensors
 
 
-def compiled_activations(d: TransformerDims, b: int, s: int, p: int,
-                         key: tuple[str, str, str] | None = None) -> tuple[int, int, int, int]:
+def compiled_activations(d: TransformerDims, b: int, s: int, p: int, key: tuple[str, str, str] | None = None,
+                         lora_rank: int = 0) -> tuple[int, int, int, int]:
     """(saved, forward transient, backward transient, tensors at the backward's peak) bytes of the
     compiled block (the backward's peak is several tensors, which the caching allocator places one
     by one: `Module.bwd_temp_parts`): the partitioner's
     saved set less views of the model's rotary table; the forward's peak above its end state (its
     output and saved set); the backward's peak above its start (saved set and output gradient), with
     its weight gradients and its input's gradient counted as Inductor allocates them. Under the
-    selective policy's table the backward's peak includes what it recomputes."""
-    kernels, saved, outputs = _table(d, key)
-    sizes = _sizes(d, b * s, s, p, _symbols(kernels))
+    selective policy's table the backward's peak includes what it recomputes. `lora_rank` > 0: the LoRA
+    table at that rank."""
+    kernels, saved, outputs = _table(d, key, lora=lora_rank > 0)
+    sizes = _sizes(d, b * s, s, p, _symbols(kernels), lora_rank)
     size_of = {name: size for row in kernels for name, size in row[3] + row[4]}
     # `_conj` (the complex table's conjugate), cos / sin slices: views of the model's table, not the block's
     saved_bytes = sum(sizes[size_of[name]] for name in saved if not size_of[name].startswith("SD"))
@@ -215,18 +235,47 @@ def compiled_activations(d: TransformerDims, b: int, s: int, p: int,
     return saved_bytes, peak - end, bwd_peak, max(tensors, 1)
 
 
-def compiled_note(key: tuple[str, str, str] | None, reason: str) -> str:
+def compiled_note(key: tuple[str, str, str] | None, reason: str, lora: bool = False) -> str:
     """What the summary's software line says of the compiled blocks."""
     if key is not None:
         style, attn, ck = key
+        adapters = ", peft LoRA on q / k / v / o; the first block, whose input needs no gradient, as before" \
+            if lora else ""
         return (f"Inductor's kernels and saved set read from torch 2.13 ({TABLE_STYLES[style]} block, {attn.upper()}"
-                f"{', op-level selective checkpoint' if ck != 'none' else ''})")
+                f"{', op-level selective checkpoint' if ck != 'none' else ''}{adapters})")
     return (f"{reason}: not in Inductor's table, every memory-bound chain one fused kernel at hand-written speed "
             f"(an approximation)")
 
 
+def lora_table_rank(wl: Workload, checkpoint: str, fsdp2: bool) -> tuple[int, str]:
+    """(the rank at which the LoRA table describes `wl`'s adapted blocks, or 0; why not). The table was
+    read with peft's LoRA on q / k / v / o, dropout > 0 (a random kernel per target: without dropout the
+    graph differs), every other parameter frozen in the activation dtype, no checkpoint; under FSDP2 only:
+    FSDP1's `use_orig_params` and a plain run's autocast casts re-derive the blocks from the unfrozen ones
+    (`lora.autograd_view`, `lora.peft_input_casts`), which the table does not describe."""
+    from fsdp_sim.workload.lora import LORA_CONFIG, PEFT_NAMES
+
+    cfg = wl.meta.get(LORA_CONFIG)
+    if cfg is None:
+        return 0, "frozen-base blocks"
+    targets = {PEFT_NAMES.get(t, t) for t in cfg.targets}
+    why = ("QLoRA blocks (bitsandbytes' dequantize is a library kernel)" if cfg.quantize else
+           f"LoRA on {', '.join(sorted(targets))} (the table's is on q / k / v / o)" if targets != LORA_TARGETS else
+           "LoRA without dropout" if not cfg.dropout else
+           f"LoRA on a {cfg.base_dtype} base" if cfg.base_dtype != wl.activation_dtype else
+           "LoRA blocks under the op-level selective checkpoint" if checkpoint == "selective_op" else
+           "LoRA blocks outside FSDP2" if not fsdp2 else
+           "LoRA blocks with more frozen or trained" if any(q.trainable != (".lora_" in q.name) for q in wl.params)
+           else "")
+    return (0, why) if why else (cfg.rank, "")
+
+
+def _base_kernel_names(m: Module) -> list[str]:
+    return [k.name for k in m.kernels if not k.name.endswith(ADAPTER_KERNELS)]
+
+
 def compiled_workload(wl: Workload, tp: int = 1, *, checkpoint: str = "none", adapted: bool = False,
-                      torch_version: tuple[int, ...] = (2, 13)) -> Workload:
+                      torch_version: tuple[int, ...] = (2, 13), fsdp2: bool = True) -> Workload:
     """`wl` with its dense transformer blocks as Inductor compiles them (kernels, saved bytes, transients);
     anything else (the embedding, final norm, head and loss, which torchtitan leaves eager or compiles
     apart, and blocks the table does not describe: `table_key`) as it was, the reason in
@@ -235,31 +284,44 @@ def compiled_workload(wl: Workload, tp: int = 1, *, checkpoint: str = "none", ad
     (checkpointing.py `compiled_op_policy`); `full` / `selective_layer` the kernels only: the
     partitioner saves the block's input and recomputes inside the compiled backward, whose peak is the
     eager block's saved bytes and backward transient within 2.5 % (tests/test_compiled_block.py), so the
-    eager bytes and checkpoint plans stay. `adapted`: LoRA / QLoRA / frozen-base blocks, not read."""
+    eager bytes and checkpoint plans stay. `adapted`: LoRA / QLoRA / frozen-base blocks: the LoRA table
+    where it describes them (`lora_table_rank`; the adapted block's own GEMMs, as `frozen.py` runs
+    them), but for the first block: under LoRA the embedding is frozen, so that block's input needs no
+    gradient, and Dynamo, which guards on `requires_grad`, compiles it as another graph, not read."""
     recipe = wl.meta.get(BLOCK_RECIPE)
     meta = wl.meta | {"torch_compile": True}
-    if adapted or recipe is None or tp > 1 or recipe.get("norm_tokens") is not None:
-        reason = ("LoRA / frozen-base blocks" if adapted else "tensor-parallel blocks" if tp > 1 or recipe
+    rank, why = lora_table_rank(wl, checkpoint, fsdp2) if adapted else (0, "")
+    if (adapted and not rank) or recipe is None or tp > 1 or recipe.get("norm_tokens") is not None:
+        reason = (why if adapted else "tensor-parallel blocks" if tp > 1 or recipe
                   and recipe.get("norm_tokens") is not None else "blocks without a transformer recipe")
         return replace(wl, meta=meta | {"compiled_blocks": compiled_note(None, reason)})
     d = TransformerDims(**recipe["dims"])
     key, reason = table_key(d, wl.meta, checkpoint=checkpoint)
+    if rank and key is not None and key not in data.LORA_TABLES:  # read for the Llama codes only
+        key, reason = None, f"LoRA on {TABLE_STYLES[key[0]]} blocks"
     if key is None:
         return replace(wl, meta=meta | {"compiled_blocks": compiled_note(None, reason)})
     b, s, p = recipe["micro_batch"], recipe["seq_len"], recipe["bytes"]
     eager = block_kernels(d, b, s, p, causal=True)
-    kernels = compiled_kernels(d, b, s, p, causal=True, key=key, torch_version=torch_version)
-    saved, fwd_temp, bwd_temp, parts = compiled_activations(d, b, s, p, key)
+    saved, fwd_temp, bwd_temp, parts = compiled_activations(d, b, s, p, key, lora_rank=rank)
     bytes_too = checkpoint in ("none", "selective_op")
     modules: list[Module] = []
     compiled: list[str] = []
+    made: dict[tuple[Kernel, ...], tuple[Kernel, ...]] = {}
+    first = True  # the first block: under LoRA a graph of its own (its input needs no gradient)
     for m in wl.modules:
-        if m.is_block and m.kernels == eager:
+        if m.is_block and (_base_kernel_names(m) == [k.name for k in eager] and not (rank and first)
+                           if rank else m.kernels == eager):
             compiled.append(m.name)
+            if m.kernels not in made:  # every block alike: worked out once
+                made[m.kernels] = compiled_kernels(d, b, s, p, causal=True, key=key, torch_version=torch_version,
+                                                   lora_rank=rank, library=m.kernels if rank else None)
+            kernels = made[m.kernels]
             m = replace(m, kernels=kernels, saved_bytes=saved, fwd_temp_bytes=fwd_temp, bwd_temp_bytes=bwd_temp,
                         bwd_temp_parts=parts) if bytes_too else replace(m, kernels=kernels)
+        first = first and not m.is_block
         modules.append(m)
-    note = compiled_note(key, "") if compiled else compiled_note(None, "blocks whose kernels the table does not "
-                                                                 "describe (mixture-of-experts, extra biases or norms)")
+    note = compiled_note(key, "", bool(rank)) if compiled else compiled_note(
+        None, "blocks whose kernels the table does not describe (mixture-of-experts, extra biases or norms)")
     extra = {COMPILED_SAC: tuple(compiled)} if key[2] == "selective_op" else {}
     return replace(wl, modules=tuple(modules), meta=meta | {"compiled_blocks": note} | extra)

@@ -28,7 +28,7 @@ from fsdp_sim.workload.transformer import (BLOCK_RECIPE, NORM_STAT_TENSORS, reci
 
 FROZEN_DTYPES = ("bf16", "fp16", "fp32")
 # an adapter's kernels are named by its target Linear's kernel and these (`lora.py`)
-LORA_DROPOUT, LORA_A, LORA_B = " lora_dropout", " lora_A", " lora_B"
+LORA_DROPOUT, LORA_A, LORA_B, LORA_SCALE_ADD = " lora_dropout", " lora_A", " lora_B", " lora scale + add"
 QUANT_STATE_SUFFIX = ".weight.absmax"  # a 4-bit weight's block scales, stored beside it (`lora.py`)
 # Workload.meta: (the modules before the first freezing, the frozen dtype, the Linears whose input an adapter
 # keeps), what `lora.autograd_view` re-freezes from when other parameters need gradients (FSDP1 use_orig_params)

@@ -38,8 +38,8 @@ from dataclasses import dataclass, replace
 from fsdp_sim.datafile import get_key, reject_unknown_keys
 from fsdp_sim.dtypes import itemsize
 from fsdp_sim.errors import ScenarioError, show
-from fsdp_sim.workload.frozen import (LORA_A, LORA_B, LORA_DROPOUT, QUANT_STATE_SUFFIX, UNFROZEN, built_from,
-                                      freeze_where, linear_weights, unkept_inputs)
+from fsdp_sim.workload.frozen import (LORA_A, LORA_B, LORA_DROPOUT, LORA_SCALE_ADD, QUANT_STATE_SUFFIX, UNFROZEN,
+                                      built_from, freeze_where, linear_weights, unkept_inputs)
 from fsdp_sim.workload.kernels import elementwise, gemm
 from fsdp_sim.workload.model import Kernel, Module, Param, Workload
 from fsdp_sim.workload.transformer import BLOCK_RECIPE, recipe_activations, unsaved_references
@@ -174,7 +174,7 @@ def _with_adapters(m: Module, wanted: set[str], cfg: LoraConfig, p: int, hit: se
         scale = 5 * tok * out * p  # `* scaling` reads B's output and writes a copy; the add reads two, writes one
         kernels += [gemm(name + LORA_A, tok, r, fan_in, recompute=k.recompute),
                     gemm(name + LORA_B, tok, out, r, recompute=k.recompute),
-                    elementwise(f"{name} lora scale + add", scale, 2 * tok * out * p, launches=2,
+                    elementwise(name + LORA_SCALE_ADD, scale, 2 * tok * out * p, launches=2,
                                 recompute=k.recompute)]
         saved += tok * r * p  # lora_A's output, kept by lora_B
         temp = max(temp, 2 * tok * out * p)  # B's output and its scaled copy, before the add
