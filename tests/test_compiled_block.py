@@ -344,14 +344,15 @@ def test_lora_blocks_take_the_lora_table_but_the_first(checkpoint):
     table's generated kernels beside its own GEMMs (the frozen base's without weight gradients) and no
     eager adapter chain; the first block, whose input needs no gradient, keeps the eager path. Without a
     checkpoint the blocks keep the table's saved set, below what eager autograd keeps; under the full
-    checkpoint the eager bytes stay, as for the dense blocks."""
+    checkpoint the eager bytes stay, named an approximation (the compiled backward's peak is above them)."""
     from fsdp_sim.workload.compiled_block import ADAPTER_KERNELS
     from fsdp_sim.workload.frozen import LORA_A
     training = {"micro_batch": 1, "seq_len": 4096, "optimizer": "adamw", "activation_checkpointing": checkpoint}
     sc, eager = _lora_70b(training=training), _scenario("scenarios/llama2-70b-8xa100-80gb-lora.yaml", training=training)
     blocks = [m for m in sc.workload.modules if m.is_block]
     before = {m.name: m for m in eager.workload.modules if m.is_block}
-    assert "peft LoRA on q / k / v / o" in sc.workload.meta["compiled_blocks"]
+    note = sc.workload.meta["compiled_blocks"]
+    assert "peft LoRA on q / k / v / o" in note and ("approximation" in note) == (checkpoint == "full")
     assert blocks[0] == before[blocks[0].name]
     d = TransformerDims(**sc.workload.meta["block_activations"]["dims"])
     key = ("torchtitan", "gqa", "none")
@@ -382,3 +383,26 @@ def test_lora_table_only_where_it_was_read():
                           "hardware": {"profile": "a100-80gb", "nodes": 1, "gpus_per_node": 8},
                           "compute": {"torch_compile": True}})
     assert gpt.workload.meta["compiled_blocks"].startswith("LoRA on GPT-2 style blocks")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attn", ["gqa", "mha"])
+def test_lora_under_full_checkpointing_keeps_eager_bytes_below_the_compiled_backward(attn):
+    """Under torchtitan's full checkpoint a compiled LoRA block keeps only its input and the RNG seeds
+    (Inductor's dropout masks are replayed from them), and its backward's peak is 10 % (GQA) to 14 %
+    (MHA) above what `lora.py`'s eager bytes add up to for a block whose input needs a gradient, where
+    the dense block's is within 2.5 %: the LoRA path keeps the eager bytes under the full checkpoint, an
+    underestimate this test measures (0.88-0.92 of the compiled peak), not a read table."""
+    pytest.importorskip("torch")
+    from fsdp_sim.torch_tools.inductor_block import extract
+    from fsdp_sim.torch_tools.llama_block import BlockConfig
+    from fsdp_sim.workload.lora import LoraConfig, apply_lora
+    from fsdp_sim.workload.transformer import build_transformer
+    cfg = BlockConfig(batch=3, lora_rank=8, checkpoint="full", kv_heads=1 if attn == "gqa" else 4)
+    e = extract(cfg)
+    assert [n for n, _, _ in e.saved if not n.startswith("primals")] == ["inductor_seeds_default", "rng_state_output_0"]
+    wl = build_transformer(replace(_dims(cfg), layers=2), micro_batch=cfg.batch, seq_len=cfg.seq, act_dtype="bf16",
+                           name="lora")
+    wl = apply_lora(wl, LoraConfig(rank=8, alpha=16, targets=("wq", "wk", "wv", "wo"), dropout=0.05))
+    block = [m for m in wl.modules if m.is_block][1]  # the second: its input needs a gradient, as in the extraction
+    assert 0.85 < (block.saved_bytes + block.bwd_temp_bytes) / e.transient("backward")[0] < 0.95
