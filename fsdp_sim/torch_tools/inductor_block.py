@@ -7,12 +7,13 @@ break the graph). One block is therefore one Dynamo graph, which AOTAutograd spl
 and a backward graph with its min-cut partitioner, and Inductor lowers each into a list of scheduler
 nodes: generated (fused) kernels and library calls (`mm`, SDPA) it does not generate.
 
-`extract(cfg)` compiles a block (`llama_block.LlamaBlock`: its code and configurations) on the CPU build of torch, forward and backward, and reads, after
-Inductor's fusion pass, every scheduler node of both graphs: its kind (generated or library call),
-the ATen ops fused into it, and the bytes it reads and writes (`get_read_buffer_sizes` /
-`get_write_buffer_sizes`, Inductor's own count: each buffer at most once, intermediates that stay
-on chip not counted). The backward graph's inputs, less the output's gradient, are what the
-partitioner saved: what the block keeps for backward under torch.compile.
+`extract(cfg)` compiles a block (`llama_block.LlamaBlock`: its code and configurations) on the CPU
+build of torch, forward and backward, and reads, after Inductor's fusion pass, every scheduler node
+of both graphs: its kind (generated or library call), the ATen ops fused into it, and the bytes it
+reads and writes (`get_read_buffer_sizes` / `get_write_buffer_sizes`, Inductor's own count: each
+buffer at most once, intermediates that stay on chip not counted). The backward graph's inputs, less
+the output's gradient, are what the partitioner saved: what the block keeps for backward under
+torch.compile.
 
 The CPU backend (`CppScheduling`) and the CUDA one (`TritonScheduling`) share the scheduler's fusion
 pass (`Scheduler.fuse_nodes`: vertical fusion of producers into consumers, horizontal fusion of

@@ -42,8 +42,8 @@ block's saved bytes: an approximation, named in the summary's software line, `co
 QLoRA (its dequantize stays a bitsandbytes kernel, not one Inductor generates), LoRA on other targets,
 without dropout, on a base stored in another dtype, under the op-level selective checkpoint, or outside
 FSDP2 (FSDP1's `use_orig_params` and a plain run's autocast casts re-derive the adapted blocks), blocks
-with only `model.frozen`, tensor-parallel blocks (the table has no DTensor redistributions; torchtitan compiles each block after
-`parallelize_module` with `fullgraph=True`, and Dynamo traces the DTensor hooks and redistributions into the graph,
+with only `model.frozen`, tensor-parallel blocks (the table has no DTensor redistributions; torchtitan
+compiles each block after `parallelize_module` with `fullgraph=True`, and Dynamo traces the DTensor hooks and redistributions into the graph,
 no graph break (tests/test_compiled_block.py `test_tensor_parallel_then_compile_is_one_graph`),
 but the table was not read with them), mixture-of-experts blocks, Gemma / Phi-3 / GPT-NeoX / Qwen3
 blocks (their norms, fused projections, partial rotary or QK-norms), dropout, eager attention, vision
