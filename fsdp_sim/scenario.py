@@ -366,8 +366,10 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     shard_size = {"1d": world, "2d": gpn // tp.size, "replicate": 1}[mesh]
     shard_size = get_key("fsdp", fsdp, "shard_size", int, shard_size, positive=True)
     if world % shard_size:
-        raise ScenarioError(f"fsdp.shard_size: {shard_size} does not divide the world size {world} "
-                            f"({nodes} nodes x {gpn} GPUs)")
+        gpus = f"{nodes} nodes x {gpn} GPUs"  # under TP, FSDP's mesh is the GPUs / tp (parallelism.tp)
+        size = (f"the data-parallel size {world} ({gpus} / tp {tp.size})" if tp.size > 1
+                else f"the world size {world} ({gpus})")
+        raise ScenarioError(f"fsdp.shard_size: {shard_size} does not divide {size}")
     reshard = _reshard_after_forward(fsdp, "reshard_after_forward", shard_size, strategy_reshard)
     root_reshard = _reshard_after_forward(fsdp, "root_reshard_after_forward", shard_size, None)
     # backward: true = FSDP2's default (one ahead), false = m.set_modules_to_backward_prefetch([m]) on every

@@ -242,6 +242,19 @@ def test_refusals(parallelism, message):
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("tp,message", [
+    (2, "fsdp.shard_size: 3 does not divide the data-parallel size 4 (1 nodes x 8 GPUs / tp 2)"),
+    (1, "fsdp.shard_size: 3 does not divide the world size 8 (1 nodes x 8 GPUs)"),
+])
+def test_shard_size_refusal_names_the_data_parallel_size(tp, message):
+    """Under TP, FSDP shards over the GPUs / tp: the refusal names that size, not the GPU count as a world."""
+    data = scenario_dict(SMALL, nodes=1, gpus_per_node=8, fsdp={"shard_size": 3})
+    data["parallelism"] = {"tp": tp}
+    with pytest.raises(ScenarioError) as err:
+        parse_scenario(data)
+    assert str(err.value) == message
+
+
 # ---- referee: FSDPMemTracker on the CPU, TP 2 x FSDP 4 on a 2-D mesh (torchtitan's plan) ----------------
 @pytest.mark.parametrize("ac", ["none", "full"])
 @pytest.mark.parametrize("sp", [True, False])
