@@ -399,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--safety-margin", type=float, metavar="FRACTION", help="memory kept free (default: scenario, 0.10)")
     run.add_argument("--require-fit", action="store_true", help="exit 1 when the step does not fit (for CI)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="change one scenario key for this run (repeatable), e.g. training.micro_batch=4")
+                     help="change one scenario key for this run (repeatable), e.g. training.micro_batch=4; a YAML "
+                          "value, a list or mapping too: 'variation.stragglers=[{rank: 17, speed: 0.9}]'")
     run.add_argument("--per-rank", action="store_true",
                      help="play every rank at its own speed (variation: spread, seed, stragglers, nodes); the step is "
                           "the slowest rank's, and the JSON says per rank what it waited and who held the step back")

@@ -73,7 +73,9 @@ def _yaml_value(key: str, text: str) -> Any:
         value = yaml.load(text, Loader=SAFE_LOADER)
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ScenarioError(f"--set {key}: {show(text)} is not a YAML value ({problem}); quote a string") from None
+        hint = ("expected a YAML flow list or mapping, e.g. [{rank: 17, speed: 0.9}]" if text.lstrip()[:1] in _CLOSE
+                else "quote a string")
+        raise ScenarioError(f"--set {key}: {show(text)} is not a YAML value ({problem}); {hint}") from None
     except (ValueError, OverflowError, RecursionError) as exc:  # a tag's bad content, a 5,000-digit number
         raise ScenarioError(f"--set {key}: {show(text)} is not a YAML value ({str(exc).split(';')[0]})") from None
     check_value(f"--set {key}", value)
@@ -101,14 +103,58 @@ def check_value(where: str, value: Any) -> None:
 
 
 def parse_assignment(text: str) -> tuple[str, list[Any]]:
-    """`key.path=v1,v2` -> ("key.path", [v1, v2]); values are YAML scalars (1 -> int, true -> bool)."""
+    """`key.path=v1,v2` -> ("key.path", [v1, v2]); values are YAML (1 -> int, true -> bool), and a value may be
+    a flow list or mapping, whose commas do not split: `variation.stragglers=[{rank: 17, speed: 0.9}]` is one."""
     key, sep, values = text.partition("=")
     if not sep or not key or not values:
         raise ScenarioError(f"--set {show(text)}: expected KEY=VALUE[,VALUE...], e.g. fsdp.wrap=per_block,whole_model")
     _check_key("--set", key)
     if len(text) > MAX_ASSIGNMENT:
         raise ScenarioError(f"--set {key}: {len(text):,} characters, past the limit of {MAX_ASSIGNMENT:,}")
-    return key, [_yaml_value(key, v) for v in values.split(",")]
+    return key, [_yaml_value(key, v) for v in _split_values(key, values)]
+
+
+_CLOSE = {"[": "]", "{": "}"}
+_OPENS_VALUE = ("", "[", "{", ",", ":")  # the character before a value: none, or a flow indicator
+
+
+def _split_values(key: str, text: str) -> list[str]:
+    """`text` cut at the commas outside brackets, braces and quotes: the sweep's axis values, each a YAML value.
+    As in YAML, a quote or bracket opens only where a value starts (first, or after `[{,:` inside a collection),
+    so `it's` and `a[1]` stay plain strings."""
+    parts, start, stack, quote, prev = [], 0, [], None, ""
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if quote:
+            if c == "\\" and quote == '"':
+                i += 1
+            elif c == quote:
+                if quote == "'" and text[i + 1:i + 2] == "'":  # '' is a quote inside a single-quoted scalar
+                    i += 1
+                else:
+                    quote = None
+        elif c in "'\"" and prev in _OPENS_VALUE:
+            quote = c
+        elif c in _CLOSE and (stack or not prev):  # outside a collection only a value's start opens one
+            stack.append(_CLOSE[c])
+        elif c in "]}" and stack:
+            if stack.pop() != c:
+                raise ScenarioError(f"--set {key}: {show(text)} has an unmatched {c!r}; expected a YAML value "
+                                    "such as [1, 2] or {rank: 17, speed: 0.9}")
+        elif c == "," and not stack:
+            parts.append(text[start:i])
+            start, prev = i + 1, ""
+            i += 1
+            continue
+        if not c.isspace():
+            prev = c
+        i += 1
+    if quote or stack:
+        what = f"quote {quote!r}" if quote else repr({"]": "[", "}": "{"}[stack[-1]])
+        raise ScenarioError(f"--set {key}: {show(text)} has an unclosed {what}; expected a YAML value such as "
+                            "[1, 2] or {rank: 17, speed: 0.9} (quote the whole --set for the shell)")
+    return parts + [text[start:]]
 
 
 def _check_key(where: str, key: Any) -> None:

@@ -248,3 +248,25 @@ def test_envelope_keeps_the_peak_and_the_troughs():
     assert len(rows) <= 1003 and list(rows) == sorted(set(rows))
     assert int(np.argmax(total)) in rows and rows[0] == 0 and rows[-1] == len(total) - 1
     assert list(envelope_rows(total[:50])) == list(range(50))
+
+
+def test_run_set_takes_a_flow_list_as_the_file_would(tmp_path, capsys):
+    """`run --set 'variation.stragglers=[{...}]'` is the scenario with that list written in it: same JSON, and
+    unlike the scenario without it (rank 3 at 0.8 paces the step: the slowest rank's factor 1 / 0.8)."""
+    stragglers = [{"rank": 3, "speed": 0.8}]
+    base = _write(tmp_path, GOOD)
+    results = []
+    for argv in (["--set", "variation.stragglers=[{rank: 3, speed: 0.8}]"], []):
+        out = tmp_path / f"{len(results)}.json"
+        assert main(["run", str(base), "-q", "--json", str(out), *argv]) == 0
+        results.append(json.loads(out.read_text()))
+    written = _write(tmp_path, {**GOOD, "variation": {"stragglers": stragglers}}, name="straggler.yaml")
+    assert main(["run", str(written), "-q", "--json", str(tmp_path / "w.json")]) == 0
+    from_file = json.loads((tmp_path / "w.json").read_text())
+    drop = ("scenario", "name")
+    assert {k: v for k, v in results[0].items() if k not in drop} == {k: v for k, v in from_file.items() if k not in drop}
+    assert results[0]["hardware"]["slowest_rank_factor"] == pytest.approx(1 / 0.8)
+    assert results[1]["hardware"]["slowest_rank_factor"] < 1.1  # the 2.6 % spread's expected slowest of 8
+    capsys.readouterr()
+    rc, out, err = _run(["run", str(base), "--set", "variation.stragglers=[{rank: 3, speed: 0.8}"], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "variation.stragglers" in err and "expected" in err

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import csv
+import json
 
 import pytest
 import yaml
+from hypothesis import given, settings, strategies as st
 
 from fsdp_sim.cli import main
 from fsdp_sim.errors import ScenarioError
@@ -21,6 +23,44 @@ def test_assignments_parse_as_yaml_scalars():
     assert parse_assignment("fsdp.backward_prefetch=true,false") == ("fsdp.backward_prefetch", [True, False])
     with pytest.raises(ScenarioError, match="KEY=VALUE"):
         parse_assignment("fsdp.wrap")
+
+
+_TEXT = st.text(st.characters(whitelist_categories=("L", "N", "P", "S"), whitelist_characters=" ", max_codepoint=0xFFFF),
+                max_size=8)
+_SCALARS = st.none() | st.booleans() | st.integers(-10**6, 10**6) | _TEXT
+_VALUES = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TEXT, inner, max_size=3),
+                       max_leaves=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_VALUES, min_size=1, max_size=4))
+def test_values_written_as_flow_yaml_come_back_one_each(values):
+    """Commas split a sweep's values only outside brackets, braces and quotes: any values written as JSON
+    (flow YAML: lists, mappings, quoted strings with commas) and joined by commas come back as written."""
+    text = ",".join(json.dumps(v) for v in values)
+    assert parse_assignment(f"variation.stragglers={text}") == ("variation.stragglers", values)
+
+
+@pytest.mark.parametrize("text,values", [
+    ("variation.stragglers=[{rank: 17, speed: 0.9}]", [[{"rank": 17, "speed": 0.9}]]),
+    ("variation.stragglers=[], [{rank: 17, speed: 0.9}, {rank: 3, speed: 0.8}]",
+     [[], [{"rank": 17, "speed": 0.9}, {"rank": 3, "speed": 0.8}]]),
+    ("name=it's,a[1],'x, y'", ["it's", "a[1]", "x, y"]),  # YAML's plain scalars: a quote or bracket inside a word
+])
+def test_a_flow_list_or_mapping_is_one_value(text, values):
+    assert parse_assignment(text)[1] == values
+
+
+@pytest.mark.parametrize("text,words", [
+    ("variation.stragglers=[{rank: 17, speed: 0.9}", ["variation.stragglers", "unclosed '['", "expected"]),
+    ("variation.stragglers=[{rank: 17, speed: 0.9]}", ["variation.stragglers", "unmatched ']'", "expected"]),
+    ("variation.links=[{node: 1, nic: :}]", ["variation.links", "not a YAML value", "flow list or mapping"]),
+    ("name='x", ["name", "unclosed quote", "expected"]),
+])
+def test_bad_flow_values_are_one_line_naming_the_key(text, words):
+    with pytest.raises(ScenarioError) as err:
+        parse_assignment(text)
+    assert all(w in str(err.value) for w in words) and "\n" not in str(err.value)
 
 
 def test_points_are_the_cartesian_product_and_a_preset_takes_overrides():
