@@ -9,6 +9,10 @@ points, taken from the 10,000-point llama3-8b grid in this checkout's worker ord
 emptied at each round's start. It prints CPU ms per point for each and their ratio, in both orders (the
 second version of a batch gets a warm cache: the two orders' geometric mean cancels that).
 
+First it checks that a change meant to be faster left every answer alone: each sampled point's row and each
+shipped scenario's full `to_dict()`, from both versions, compared as JSON text (byte for byte); a difference
+is named and the run exits 1 before any timing.
+
 Run: python benchmarks/bench_ab.py COMMIT [ROUNDS=3]
 e.g. python benchmarks/bench_ab.py HEAD~1
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import json
 import random
 import re
 import subprocess
@@ -62,6 +67,24 @@ def load(package: str):
     return (lambda data: sweep.run_point(data, SCENARIO.parent)), reserved.MEMO.clear
 
 
+def answers(package: str, points: list[dict]) -> dict[str, str]:
+    """Every answer of `package` as JSON text: each point's row and each shipped scenario's `to_dict()`."""
+    scenario, simulate = (importlib.import_module(f"{package}.{n}") for n in ("scenario", "simulate"))
+    run, _ = load(package)
+    out = {f"point {i}": json.dumps(run(data), sort_keys=True, default=repr) for i, data in enumerate(points)}
+    for path in sorted((ROOT / "scenarios").glob("*.yaml")):
+        if not path.name.endswith(".grid.yaml"):  # grids are sweep axes, not scenarios
+            result = simulate.simulate(scenario.load_scenario(path)).to_dict()
+            out[path.name] = json.dumps(result, sort_keys=True, default=repr)
+    return out
+
+
+def differing(commit: str, points: list[dict]) -> list[str]:
+    """The answers in which this checkout and `commit` differ."""
+    new, old = answers("fsdp_sim", points), answers("fsdp_sim_ab", points)
+    return [name for name in new if new[name] != old.get(name)]
+
+
 def interleaved(first, second, points: list[dict], rounds: int) -> tuple[float, float]:
     """CPU ms per point of `first` and `second`, each batch run by `first` and then by `second`."""
     spent = [0.0, 0.0]
@@ -88,6 +111,9 @@ def main() -> None:
         export(commit, Path(tmp))
         sys.path[:0] = [tmp, str(ROOT)]
         points = sample()
+        if diff := differing(commit, points):
+            sys.exit(f"answers differ from {commit} in {len(diff)}: {', '.join(diff[:10])}")
+        print(f"answers byte-identical to {commit}: {len(points)} points' rows and every shipped scenario's to_dict()")
         new, old = load("fsdp_sim"), load("fsdp_sim_ab")
         a_old, a_new = interleaved(old, new, points, rounds)
         b_new, b_old = interleaved(new, old, points, rounds)
