@@ -94,7 +94,7 @@ def test_the_power_worked_out_above_its_underflow_is_the_whole_grids(n):
     """`expected_max_of_normals` skips the powers of Phi that underflow to 0: to the last bit what the
     integrand with the power over the whole grid gives."""
     from fsdp_sim.hardware.variation import _normal_grid
-    x, phi, cdf = _normal_grid()
+    x, phi, cdf, _, _ = _normal_grid()
     y = x * n * phi * cdf ** (n - 1)
     whole = float(np.sum((y[1:] + y[:-1]) * np.diff(x)) / 2)
     expected_max_of_normals.cache_clear()

@@ -75,6 +75,16 @@ def _physical(m: float, n: float, k: float, sms: int) -> float:
 
 
 @cache
+def _table_points() -> tuple[tuple[float, float, float, float], ...]:
+    """Each measured shape of XLA's H100 table as (log2 m, log2 n, log2 k, correction): its throughput
+    relative to the table's best over its `_physical` term on the table's SMs. What does not depend on
+    the shape asked, worked out once, like an import (`gemm_shape_factor` reads it for every shape it prices)."""
+    best = max(row[3] for row in kd.H100_GEMM_TABLE)
+    return tuple((math.log2(m), math.log2(n), math.log2(k), tflops / best / _physical(m, n, k, kd.H100_GEMM_SMS))
+                 for m, n, k, tflops, _ in kd.H100_GEMM_TABLE)
+
+
+@cache
 def gemm_shape_factor(m: int, n: int, k: int, sms: int, itemsize: int) -> float:
     """Throughput of an (m, n, k) GEMM relative to the best shape of XLA's H100 table, in (0, 1].
 
@@ -83,12 +93,10 @@ def gemm_shape_factor(m: int, n: int, k: int, sms: int, itemsize: int) -> float:
     structure of the physical term. The bf16 column serves every dtype: the TF32 column's shape dependence
     is noisier (4096^3 above every larger shape) and its level is carried by `TF32_EFFICIENCY` instead.
     """
-    best = max(row[3] for row in kd.H100_GEMM_TABLE)
-    x = [math.log2(max(v, 1)) for v in (m, n, k)]
+    x0, x1, x2 = math.log2(max(m, 1)), math.log2(max(n, 1)), math.log2(max(k, 1))
     num = den = 0.0
-    for row in kd.H100_GEMM_TABLE:
-        ratio = row[3] / best / _physical(*row[:3], kd.H100_GEMM_SMS)
-        dist2 = sum((xi - math.log2(r)) ** 2 for xi, r in zip(x, row[:3]))
+    for l0, l1, l2, ratio in _table_points():
+        dist2 = (x0 - l0) ** 2 + (x1 - l1) ** 2 + (x2 - l2) ** 2
         if dist2 < 1e-12:
             num, den = ratio, 1.0
             break
