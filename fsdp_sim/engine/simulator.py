@@ -32,6 +32,7 @@ from itertools import accumulate
 
 import numpy as np
 import simpy
+from simpy.events import NORMAL
 
 from fsdp_sim.schedule.ops import COLLECTIVES, TIMED_KINDS, Op
 
@@ -54,6 +55,20 @@ class Timing:
         return float(self.end.max()) if len(self.end) else 0.0
 
 
+class _WakeUp:
+    """A wake-up of the player: what SimPy's `step` reads of an event (its callbacks, that it succeeded) and
+    nothing else. It is scheduled as a `Timeout` schedules itself (`env.schedule(event, NORMAL, delay)`), so it
+    takes the same (time, priority, sequence number) and the event order is unchanged, without `Timeout`'s
+    constructor (its checks, its environment, value and delay kept for a description nobody asks for): the
+    player makes one per device completion and per issue-time wait, a fifth of its time in SimPy."""
+
+    __slots__ = ("callbacks",)
+    _ok = True
+
+    def __init__(self, callback: Callable[[_WakeUp], None]) -> None:
+        self.callbacks = [callback]
+
+
 class _Device:
     """Runs timed ops concurrently, each at 1 / slowdown of its own speed given what else runs."""
 
@@ -61,7 +76,7 @@ class _Device:
         self.player, self.env, self.slowdowns, self.kick = player, player.env, slowdowns, player.kick
         self.running: dict[int, list] = {}  # op id -> [op, remaining uncontended seconds, slowdown, then]
         self.last = 0.0
-        self.wake: simpy.Timeout | None = None  # the pending wake-up: any other that fires is stale
+        self.wake: _WakeUp | None = None  # the pending wake-up: any other that fires is stale
         self.wake_at, self.wake_op = float("inf"), -1  # when it fires, and which op it completes
         self.unmade: float | None = None  # the delay of a wake-up decided but not yet made a timeout (`flush`)
         self.collectives = 0  # running collectives: without one nothing contends
@@ -79,8 +94,8 @@ class _Device:
             self.collectives += 1
         if self.collectives or self.contended:
             self.rerate_due = True
-        elif self.wake_op not in running or now + work < self.wake_at:
-            self._schedule(now, work, op.id)  # uncontended: only whether this op ends first matters
+        elif self.wake_op not in running or now + work < self.wake_at:  # uncontended: only whether this op ends first matters
+            self.wake_at, self.wake_op, self.unmade = now + work, op.id, work  # `_schedule`, inline: work > 0
 
     def _advance(self, now: float) -> None:
         """Progress every running op to `now` (later than the last advance) at its rate."""
@@ -131,11 +146,11 @@ class _Device:
             self.rerate_due = False
             self._rerate(self.player.now)
         if self.unmade is not None:
-            self.wake = wake = self.env.timeout(self.unmade)
-            wake.callbacks.append(self._wake)
+            self.wake = wake = _WakeUp(self._wake)
+            self.env.schedule(wake, NORMAL, self.unmade)
             self.unmade = None
 
-    def _wake(self, event: simpy.Timeout) -> None:
+    def _wake(self, event: _WakeUp) -> None:
         if event is not self.wake:
             return  # the running set changed since this wake-up was scheduled
         running = self.running
@@ -202,11 +217,12 @@ class _Player:
         if self.device is not None:
             self.device.flush()  # every SimPy callback ends here: its wake-up is made before SimPy goes on
 
-    def timeout(self, delay: float) -> simpy.Timeout:
-        """A SimPy timeout after `delay`, made after the device's decided wake-up (see `_Device.flush`)."""
+    def timeout(self, delay: float, callback: Callable[[_WakeUp], None]) -> None:
+        """`callback` after `delay`, as a SimPy timeout made after the device's decided wake-up would call
+        it (see `_Device.flush`, `_WakeUp`)."""
         if self.device is not None:
             self.device.flush()
-        return self.env.timeout(delay)
+        self.env.schedule(_WakeUp(callback), NORMAL, delay)
 
     def at_timeout(self, resume: Callable[[], None]) -> None:
         """What a SimPy timeout's callback does: the clock moves to the timeout's time, then `resume` runs."""
@@ -229,7 +245,7 @@ class _Player:
 
     def _timed(self, op: Op, dur: float, then: Callable[[], None]) -> None:
         if self.device is None:
-            self.timeout(dur).callbacks.append(lambda _e: self.at_timeout(then))
+            self.timeout(dur, lambda _e: self.at_timeout(then))
         else:
             self.device.run(op, dur, then)
 
@@ -280,7 +296,7 @@ class _Stream:
                     p.unissued.append(self.advance)
                     return
                 self.waited = pos
-                p.timeout(issued[i] - now).callbacks.append(self._issued)
+                p.timeout(issued[i] - now, self._issued)
                 return
             if collective:
                 p.arrived[i] = True
@@ -305,12 +321,20 @@ class _Stream:
             pos += 1
         self.pos = pos
 
-    def _issued(self, _event: simpy.Event) -> None:
+    def _issued(self, _event: _WakeUp) -> None:
         self.player.at_timeout(self.advance)
 
     def _timed_done(self) -> None:
-        self.player._finish(self.items[self.pos][0])
-        self._next()
+        """The op at `pos` ended: `_Player._finish` and `_next`, inline (once per timed op)."""
+        p = self.player
+        i = self.items[self.pos][0]
+        p.end[i] = p.now
+        p.finished[i] = True
+        if (resumes := p.waiters[i]) is not None:
+            p.waiters[i] = None
+            p.ready.extend(resumes)
+        self.pos += 1
+        self.advance()
 
     def _next(self) -> None:
         self.pos += 1

@@ -40,6 +40,7 @@ class ComputeCosts:
         self.gpu, self.dtype, self.options = gpu, dtype, options
         self.matmul_flops = gemm_rate(gpu, dtype, options.allow_tf32)
         self._launch = {False: launch_cost_s(False, options), True: launch_cost_s(True, options)}
+        self._launch_by_phase: dict[str, float] = {}  # `_launch` by op phase: a step has a handful of phases
         self._cache: dict[tuple, KernelTimes] = {}
         self._by_op: dict[int, KernelTimes] = {}  # the engine and the analysis ask about one op many times
         self._shared = _shared_prices(gpu, dtype, options)
@@ -71,9 +72,14 @@ class ComputeCosts:
                            launches=op.launches)
 
     def duration(self, op: Op) -> float:
-        return self.times(op).total
+        """`times(op).total`, the sum in its order, without the property's call (asked once per timed op)."""
+        t = self._by_op.get(op.id) or self.times(op)
+        return t.matmul + t.attention + t.memory
 
     def host_s(self, op: Op) -> float:
         """The CPU issue thread's time for a timed op: its kernel launches (a collective is one launch)."""
-        cost = self._launch[op.phase.startswith("backward")]
-        return cost if op.kind in COLLECTIVES else self.times(op).launches * cost
+        phase = op.phase
+        cost = self._launch_by_phase.get(phase)
+        if cost is None:
+            cost = self._launch_by_phase[phase] = self._launch[phase.startswith("backward")]
+        return cost if op.kind in COLLECTIVES else (self._by_op.get(op.id) or self.times(op)).launches * cost

@@ -68,8 +68,9 @@ class OpCosts:
         self._collective: dict[tuple, float] = {}  # by (kind, bytes, group): units of one size share a price
         self._demand: dict[int, float] = {}  # by op id: the engine asks at every change of the running set
         self._share: dict[int, float] = {}
-        self._classes: dict[int, tuple] = {}  # by op id: `_rate_class`
-        self._mixes: dict[tuple, list[float]] = {}  # `slowdowns` by the running ops' classes, in order
+        self._classes: dict[int, int] = {}  # by op id: the number of its `_rate_class`
+        self._class_numbers: dict[tuple, int] = {}  # each `_rate_class` met, numbered from 1
+        self._mixes: dict[tuple, list[float]] = {}  # `slowdowns` by the running ops' class numbers, in order
 
     def pricing(self) -> dict | None:
         """How the collectives were priced, for the JSON (`GraphPricing.facts`); None: the closed forms."""
@@ -111,7 +112,8 @@ class OpCosts:
         """How much slower each op of `running` runs beside the others than alone (>= 1 each), in its
         order. They depend on each op only through its `_rate_class`, and a step meets few mixes of classes
         (11 to 26 on the Llama 3 scenarios, where the engine asks 200 to 900 times), so each mix is worked out
-        once per step (`_contention`) and looked up after."""
+        once per step (`_contention`) and looked up after, by the classes' numbers (a tuple of small ints
+        hashes in a fraction of the time a tuple of the classes' own tuples takes, every time it is asked)."""
         classes = self._classes
         key = tuple([classes.get(o.id) or self._rate_class(o) for o in running])
         factors = self._mixes.get(key)
@@ -119,9 +121,10 @@ class OpCosts:
             factors = self._mixes[key] = self._contention(running)
         return factors
 
-    def _rate_class(self, op: Op) -> tuple:
-        """All that `_contention` reads of `op`: a collective's kind, group and HBM demand; a compute or copy
-        op's memory-bound share and whether it runs on the host; nothing of any other op."""
+    def _rate_class(self, op: Op) -> int:
+        """The number (from 1, so never falsy) of all that `_contention` reads of `op`: a collective's kind,
+        group and HBM demand; a compute or copy op's memory-bound share and whether it runs on the host;
+        nothing of any other op. Ops of one class share its number."""
         kind = op.kind
         if kind in COLLECTIVES:
             cls = (kind, op.group, self._hbm_demand(op))
@@ -129,8 +132,9 @@ class OpCosts:
             cls = ("compute", op.group in HOST_GROUPS, self._memory_share(op))
         else:
             cls = ("other",)
-        self._classes[op.id] = cls
-        return cls
+        numbers = self._class_numbers
+        number = self._classes[op.id] = numbers.setdefault(cls, len(numbers) + 1)
+        return number
 
     def _contention(self, running: list[Op]) -> list[float]:
         """`slowdowns` worked out: what every op reads (the collectives in flight, their HBM traffic, the most
