@@ -72,9 +72,13 @@ class _WakeUp:
 class _Device:
     """Runs timed ops concurrently, each at 1 / slowdown of its own speed given what else runs."""
 
+    __slots__ = ("player", "env", "slowdowns", "kick", "running", "last", "wake", "wake_at", "wake_op", "unmade",
+                 "collectives", "contended", "rerate_due")
+
     def __init__(self, player: _Player, slowdowns: Slowdowns) -> None:
         self.player, self.env, self.slowdowns, self.kick = player, player.env, slowdowns, player.kick
-        self.running: dict[int, list] = {}  # op id -> [op, remaining uncontended seconds, slowdown, then]
+        # op id -> [op, remaining uncontended seconds, slowdown, then, collective?]
+        self.running: dict[int, list] = {}
         self.last = 0.0
         self.wake: _WakeUp | None = None  # the pending wake-up: any other that fires is stale
         self.wake_at, self.wake_op = float("inf"), -1  # when it fires, and which op it completes
@@ -83,14 +87,15 @@ class _Device:
         self.contended = False  # some running op's slowdown is not 1
         self.rerate_due = False  # the running set changed while contended: rates are recomputed at `flush`
 
-    def run(self, op: Op, work: float, then: Callable[[], None]) -> None:
-        """Start op with `work` uncontended seconds; `then()` is queued when it completes."""
+    def run(self, op: Op, work: float, then: Callable[[], None], collective: bool) -> None:
+        """Start op (a collective or not: its lane or stream knows) with `work` uncontended seconds; `then()`
+        is queued when it completes."""
         now = self.player.now
         running = self.running
         if now > self.last:
             self._advance(now)
-        running[op.id] = [op, work, 1.0, then]
-        if op.kind in _COLLECTIVE:
+        running[op.id] = [op, work, 1.0, then, collective]
+        if collective:
             self.collectives += 1
         if self.collectives or self.contended:
             self.rerate_due = True
@@ -158,8 +163,8 @@ class _Device:
         first = self.wake_op
         if len(running) == 1:  # the common case: `first` ran alone and the device is idle now
             self.last = now
-            op, _, _, then = running.pop(first)
-            if op.kind in _COLLECTIVE:
+            _, _, _, then, collective = running.pop(first)
+            if collective:
                 self.collectives -= 1
             self.contended = False  # what _rerate does with nothing running
             self.kick(then)
@@ -169,8 +174,8 @@ class _Device:
         done = [i for i, r in running.items() if i == first or r[1] * r[2] <= 1e-15]
         thens = []
         for i in done:
-            op, _, _, then = running.pop(i)
-            if op.kind in _COLLECTIVE:
+            _, _, _, then, collective = running.pop(i)
+            if collective:
                 self.collectives -= 1
             thens.append(then)
         self.rerate_due = True
@@ -243,11 +248,11 @@ class _Player:
             self.waiters[i] = None  # dropped once run: a resume function refers back to the player
             self.ready.extend(resumes)
 
-    def _timed(self, op: Op, dur: float, then: Callable[[], None]) -> None:
+    def _timed(self, op: Op, dur: float, then: Callable[[], None], collective: bool) -> None:
         if self.device is None:
             self.timeout(dur, lambda _e: self.at_timeout(then))
         else:
-            self.device.run(op, dur, then)
+            self.device.run(op, dur, then, collective)
 
     def stream(self, items: list) -> Callable[[], None]:
         """The resume function of a stream taking its queue (`QueueLayout.streams`' items) in order."""
@@ -311,7 +316,7 @@ class _Stream:
             start[i] = now
             if dur > 0:
                 self.pos = pos
-                p._timed(p.ops[i], dur, self._timed_done)
+                p._timed(p.ops[i], dur, self._timed_done, False)  # a collective runs in its lane
                 return
             end[i] = now
             finished[i] = True
@@ -358,7 +363,7 @@ class _Lane:
                 return
             p.start[i] = p.now
             if (dur := p.durations[i]) > 0:
-                p._timed(p.ops[i], dur, self._done)
+                p._timed(p.ops[i], dur, self._done, True)
                 return
             p._finish(i)
             self.pos += 1
