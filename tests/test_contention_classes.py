@@ -40,3 +40,22 @@ def test_an_op_of_the_same_class_changes_no_factor(name, picks, swap):
     other = running[:k] + [twin] + running[k + 1:]
     assert costs._contention(running) == costs._contention(other)
     assert costs.slowdowns(running) == costs._contention(running)  # the table answers as the worked-out mix
+
+
+def test_the_class_found_by_price_is_the_class_worked_out():
+    """`_rate_class` finds an op's class by what prices it (a collective's kind, group and bytes; a compute
+    op's shared `KernelTimes`): the number is that of the class worked out from the op itself, for every
+    timed op of the step, so two ops share a number exactly when they share a class."""
+    from fsdp_sim.hardware.host_link import HOST_GROUPS
+    for name in SCENARIOS:
+        sc = load_scenario(ROOT / "scenarios" / f"{name}.yaml")
+        costs = op_costs(sc)
+        timed = [op for op in build_step(sc.workload, sc.units, sc.settings).ops if op.kind in TIMED_KINDS]
+        for op in timed:
+            number = costs._rate_class(op)
+            if op.kind in COLLECTIVES:
+                cls = (op.kind, op.group, costs._hbm_demand(op))
+            else:
+                cls = ("compute", op.group in HOST_GROUPS, costs._memory_share(op))
+            assert costs._class_numbers[cls] == number
+        assert len(set(costs._class_numbers.values())) == len(costs._class_numbers)

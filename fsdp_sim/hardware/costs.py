@@ -70,6 +70,7 @@ class OpCosts:
         self._share: dict[int, float] = {}
         self._classes: dict[int, int] = {}  # by op id: the number of its `_rate_class`
         self._class_numbers: dict[tuple, int] = {}  # each `_rate_class` met, numbered from 1
+        self._numbers_by_price: dict[tuple, int] = {}  # class numbers by what decides the class (`_rate_class`)
         self._mixes: dict[tuple, list[float]] = {}  # `slowdowns` by the running ops' class numbers, in order
 
     def pricing(self) -> dict | None:
@@ -124,16 +125,30 @@ class OpCosts:
     def _rate_class(self, op: Op) -> int:
         """The number (from 1, so never falsy) of all that `_contention` reads of `op`: a collective's kind,
         group and HBM demand; a compute or copy op's memory-bound share and whether it runs on the host;
-        nothing of any other op. Ops of one class share its number."""
+        nothing of any other op. Ops of one class share its number.
+
+        A step's thousand timed ops fall in about ten classes, and what decides an op's class is already
+        priced: a collective's demand is a function of its (kind, group, bytes), as its price is, and a
+        compute or copy op's share of its `KernelTimes`, one object for every op of the same content
+        (`ComputeCosts.times`). So the class is worked out once per such price and found after by it."""
         kind = op.kind
         if kind in COLLECTIVES:
-            cls = (kind, op.group, self._hbm_demand(op))
+            price = (kind, op.group, op.comm_bytes)
         elif kind == "compute" or kind == "copy":
-            cls = ("compute", op.group in HOST_GROUPS, self._memory_share(op))
+            price = (op.group in HOST_GROUPS, id(self.compute.times(op)))  # the object outlives the step: held in `_by_op`
         else:
-            cls = ("other",)
-        numbers = self._class_numbers
-        number = self._classes[op.id] = numbers.setdefault(cls, len(numbers) + 1)
+            price = ("other",)
+        number = self._numbers_by_price.get(price)
+        if number is None:
+            if kind in COLLECTIVES:
+                cls = (kind, op.group, self._hbm_demand(op))
+            elif kind == "compute" or kind == "copy":
+                cls = ("compute", op.group in HOST_GROUPS, self._memory_share(op))
+            else:
+                cls = ("other",)
+            numbers = self._class_numbers
+            number = self._numbers_by_price[price] = numbers.setdefault(cls, len(numbers) + 1)
+        self._classes[op.id] = number
         return number
 
     def _contention(self, running: list[Op]) -> list[float]:
