@@ -112,21 +112,25 @@ class _Device:
     def _rerate(self, now: float) -> None:
         running = self.running
         changed = False
+        soonest, first = float("inf"), -1  # the op that ends first at the new rates (the first of a tie)
         if self.collectives and len(running) > 1:
             entries = list(running.values())
-            for r, factor in zip(entries, self.slowdowns([r[0] for r in entries])):
+            ops = [r[0] for r in entries]
+            for r, op, factor in zip(entries, ops, self.slowdowns(ops)):
                 if factor != r[2]:
                     r[2], changed = factor, True
+                if (left := r[1] * factor) < soonest:
+                    soonest, first = left, op.id
             self.contended = True
-        elif self.contended:  # the last collective ended: everything runs at its own speed again
-            for r in running.values():
-                if r[2] != 1.0:
-                    r[2], changed = 1.0, True
-            self.contended = False
-        soonest, first = float("inf"), -1
-        for i, r in running.items():
-            if (left := r[1] * r[2]) < soonest:
-                soonest, first = left, i
+        else:
+            if self.contended:  # the last collective ended: everything runs at its own speed again
+                for r in running.values():
+                    if r[2] != 1.0:
+                        r[2], changed = 1.0, True
+                self.contended = False
+            for i, r in running.items():
+                if (left := r[1] * r[2]) < soonest:
+                    soonest, first = left, i
         if first < 0:
             return
         if not changed and self.wake_op in running and now + soonest >= self.wake_at:
@@ -169,9 +173,16 @@ class _Device:
             self.contended = False  # what _rerate does with nothing running
             self.kick(then)
             return
+        done = []  # `first` and every op it ties with: progressed to now (`_advance`, inline), nothing left
         if now > self.last:
-            self._advance(now)
-        done = [i for i, r in running.items() if i == first or r[1] * r[2] <= 1e-15]
+            dt = now - self.last
+            for i, r in running.items():
+                r[1] -= dt / r[2]
+                if i == first or r[1] * r[2] <= 1e-15:
+                    done.append(i)
+            self.last = now
+        else:
+            done = [i for i, r in running.items() if i == first or r[1] * r[2] <= 1e-15]
         thens = []
         for i in done:
             _, _, _, then, collective = running.pop(i)
