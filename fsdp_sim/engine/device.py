@@ -13,14 +13,10 @@ sequence number), deterministic.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from simpy.events import NORMAL
 
 from fsdp_sim.schedule.ops import Op
-
-if TYPE_CHECKING:
-    from fsdp_sim.engine.simulator import _Player
 
 Slowdowns = Callable[[list[Op]], list[float]]
 
@@ -45,7 +41,10 @@ class Device:
     __slots__ = ("player", "env", "slowdowns", "kick", "running", "last", "wake", "wake_at", "wake_op", "unmade",
                  "collectives", "contended", "rerate_due")
 
-    def __init__(self, player: _Player, slowdowns: Slowdowns) -> None:
+    def __init__(self, player, slowdowns: Slowdowns) -> None:
+        """`player`: simulator.py's, whose clock (`now`) the device reads and moves at its wake-ups, whose
+        environment it schedules them in and whose `kick` resumes an op's stream or lane when it ends (not
+        imported here: the player imports the device)."""
         self.player, self.env, self.slowdowns, self.kick = player, player.env, slowdowns, player.kick
         # op id -> [op, remaining uncontended seconds, slowdown, then, collective?]
         self.running: dict[int, list] = {}
