@@ -26,7 +26,7 @@ class WakeUp:
     nothing else. It is scheduled as a `Timeout` schedules itself (`env.schedule(event, NORMAL, delay)`), so it
     takes the same (time, priority, sequence number) and the event order is unchanged, without `Timeout`'s
     constructor (its checks, its environment, value and delay kept for a description nobody asks for): the
-    player makes one per device completion and per issue-time wait, a fifth of its time in SimPy."""
+    player makes one per device completion and per issue-time wait."""
 
     __slots__ = ("callbacks",)
     _ok = True
