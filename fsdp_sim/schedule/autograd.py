@@ -165,10 +165,11 @@ class AutogradStep:
         calls it at the top of the next step, before the blocking batch copy, while the GPU still runs."""
         g, s = self.g, self.s
         g.phase, g.unit = "optimizer", ""
-        last_reduce = clip_grad_norm(self, last_reduce)
+        shards = self.optimizer_shards()
+        last_reduce = clip_grad_norm(self, last_reduce, shards)
         if self.techniques.cpu_offload:  # CPUOffloadPolicy: torch.optim steps the host shards on the CPU
-            return self.techniques.cpu_offload.cpu_optimizer_step(last_reduce, self.optimizer_shards())
-        cost = step_cost(s.optimizer, s.optimizer_impl, s.momentum, self.optimizer_shards(), s.storage_bytes)
+            return self.techniques.cpu_offload.cpu_optimizer_step(last_reduce, shards)
+        cost = step_cost(s.optimizer, s.optimizer_impl, s.momentum, shards, s.storage_bytes)
         temps = [g.alloc(COMPUTE, f"{s.optimizer}.step temporaries", "optimizer_states", nbytes, deps=(last_reduce,))
                  for nbytes in self.optimizer_temporaries(cost)]
         g.add("compute", COMPUTE, f"{s.optimizer}.step", deps=(last_reduce,), hbm_bytes=cost.traffic_bytes,

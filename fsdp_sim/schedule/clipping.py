@@ -63,14 +63,15 @@ def partial_groups(s) -> tuple[str, ...]:
     return groups + ((TP_GROUP,) if s.tp > 1 else ())
 
 
-def clip_grad_norm(step, last: Op | None) -> Op | None:
-    """`clip_grad_norm_(params, max_norm)` after `last` (the last gradient reduction the step waits): the
+def clip_grad_norm(step, last: Op | None, stepped: list[int]) -> Op | None:
+    """`clip_grad_norm_(params, max_norm)` after `last` (the last gradient reduction the step waits) on the
+    gradients of the tensors the optimizer steps (`stepped`: their local elements, `optimizer_shards`): the
     ops of the runtime's implementation; returns the last of them for the optimizer step to follow (`last`
     itself when clipping is off)."""
     s = step.s
     if s.max_norm is None:
         return last
-    shards = [n for n in step.optimizer_shards() if n]  # the local gradients: one per tensor the optimizer steps
+    shards = [n for n in stepped if n]  # the local gradients: one per tensor the optimizer steps
     if not shards:
         return last
     groups = partial_groups(s)

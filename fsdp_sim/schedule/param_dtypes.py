@@ -70,17 +70,20 @@ class UnitShards:
 
 
 _UNIT_SHARDS: dict[tuple, UnitShards] = {}
-_UNIT_SHARDS_LIMIT = 4096  # entries (a few per unit of each model and mesh a process sweeps), then start over
+_UNIT_SHARDS_LIMIT = 4096  # entries (a few per unit shape of each model and mesh a process sweeps), then start over
 
 
 def unit_shards(u: Unit, s: FSDPSettings) -> UnitShards:
-    """The unit's shard sizes, cached: every point of a sweep rebuilds the same units, and the walk over
-    each parameter's shape and dtypes was a fifth of a point's graph build.
+    """The unit's shard sizes, cached by what they are computed from: every point of a sweep rebuilds the
+    same units, and a model's blocks are units of the same parameter shapes (Llama 3 70B's 80), so a cold
+    build walks each parameter's shape and dtypes once per kind of unit, not once per unit (that walk per
+    unit was a seventh of a cold build).
 
-    The key is complete: the sizes read only the parameters (a Param's hash and equality cover all its
-    fields: name, shape, dtype, trainable), the shard group's size, `storage_dtype` and `param_dtype`
-    (`storage_bytes` and `param_bytes` are their item sizes) and whether the policy casts (`cast_params`)."""
-    key = (u.params, s.shard_size, s.storage_dtype, s.param_dtype, s.cast_params)
+    The key is complete: the sizes read only each parameter's shape, dtype and whether it is trained (not
+    its name), in order, the shard group's size, `storage_dtype` and `param_dtype` (`storage_bytes` and
+    `param_bytes` are their item sizes) and whether the policy casts (`cast_params`)."""
+    key = (tuple([(p.shape, p.dtype, p.trainable) for p in u.params]), s.shard_size, s.storage_dtype,
+           s.param_dtype, s.cast_params)
     shards = _UNIT_SHARDS.get(key)
     if shards is None:
         if len(_UNIT_SHARDS) >= _UNIT_SHARDS_LIMIT:

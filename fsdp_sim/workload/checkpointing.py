@@ -21,6 +21,7 @@ activation_checkpoint.py`, `apply_ac`), each a non-reentrant `checkpoint_wrapper
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from fsdp_sim.dtypes import itemsize
@@ -109,7 +110,7 @@ def _plans(workload: Workload, mode: str, every: int) -> dict[str, Checkpoint]:
     # tensor, so nothing refers to the checkpoint's frame and its input goes as without the wrapper
     blocks = [m for m in blocks if m.records_graph]
     if mode != "selective_op":
-        return {m.name: Checkpoint(recompute_kernels=m.kernels) for m in blocks}
+        return _by_kernels(blocks, lambda m: Checkpoint(recompute_kernels=m.kernels))
     p = itemsize(workload.activation_dtype)
     for m in blocks:
         unknown = [k.name for k in m.kernels if k.kind == "gemm" and not k.aten_op]
@@ -119,7 +120,24 @@ def _plans(workload: Workload, mode: str, every: int) -> dict[str, Checkpoint]:
                                 "without (dense blocks from dimensions or an HF config have them; mixture-of-experts and traced "
                                 "blocks do not)")
     compiled = set(workload.meta.get(COMPILED_SAC, ()))  # compiled under the policy (workload/compiled_block.py)
-    return {m.name: compiled_op_policy(m, p) if m.name in compiled else op_policy(m, p) for m in blocks}
+    eager = _by_kernels([m for m in blocks if m.name not in compiled], lambda m: op_policy(m, p))
+    return {m.name: compiled_op_policy(m, p) if m.name in compiled else eager[m.name] for m in blocks}
+
+
+def _by_kernels(blocks: list[Module], plan: Callable[[Module], Checkpoint]) -> dict[str, Checkpoint]:
+    """`plan(m)` of each block by name, made once per kernels tuple: a model's blocks share one (Llama 3 70B's
+    80; transformer.py builds it once per model), and the plan reads nothing else of an eager block
+    (`op_policy`, and full checkpointing's rerun of every kernel). The tuple is compared by identity, as
+    hashing its kernels field by field costs more than a plan; blocks with equal kernels in other tuples
+    each get their own plan, the same."""
+    plans: dict[int, Checkpoint] = {}
+    out = {}
+    for m in blocks:
+        ck = plans.get(id(m.kernels))
+        if ck is None:
+            ck = plans[id(m.kernels)] = plan(m)
+        out[m.name] = ck
+    return out
 
 
 def ac_frequency(mode: str, every: int | None) -> int:

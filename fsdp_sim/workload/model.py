@@ -49,7 +49,7 @@ class Param:
 
     def __hash__(self) -> int:
         """The name's (cached by the string): equal parameters share it, and the caches keyed on a unit's
-        parameters (param_dtypes.py `unit_shards`) hash every one of them at every sweep point."""
+        parameters (FSDP1's flat parameters, schedule/fsdp1.py) hash every one of them at every sweep point."""
         return hash(self.name)
 
     @property

@@ -399,8 +399,8 @@ def recipe_gemm_shapes(recipe: dict) -> dict[str, tuple[int, ...]]:
 @lru_cache(maxsize=1024)  # a bound on memory: one entry per block of each model a process builds (126 for 405B)
 def _shared_block_params(d: TransformerDims, prefix: str) -> tuple[Param, ...]:
     """`block_params` as one tuple per model and block, shared by the workloads of every micro-batch and
-    sequence length: a sweep's units then hold the same Param objects, so the unit caches keyed on them
-    (param_dtypes.py `unit_shards`) compare them by identity instead of field by field."""
+    sequence length: a sweep's units then hold the same Param objects, so the keys made of units (the last
+    build's, schedule/build.py; FSDP1's flat parameters) compare them by identity instead of field by field."""
     return tuple(block_params(d, prefix))
 
 
