@@ -45,6 +45,7 @@ from bisect import bisect_left, insort
 from dataclasses import dataclass
 
 from fsdp_sim.datafile import get_key, reject_unknown_keys
+from fsdp_sim.engine.blocks import Block, Segment, absorb
 from fsdp_sim.errors import ScenarioError
 
 MIN_BLOCK = 512  # kMinBlockSize: "all sizes are rounded to at least 512 bytes"
@@ -95,27 +96,6 @@ def segment_size(size: int) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
-class Segment:
-    """One cudaMalloc'd segment (or one expandable segment: `size` is what is mapped)."""
-
-    __slots__ = ("address", "size", "stream", "small", "expandable", "last", "pool")
-
-    def __init__(self, address: int, size: int, stream: str, small: bool, expandable: bool, pool: list) -> None:
-        self.address, self.size, self.stream, self.small, self.expandable = address, size, stream, small, expandable
-        self.pool = pool  # the free blocks of its stream and size class (its blocks go back there)
-        self.last: Block | None = None  # the block at the mapped end (expandable segments grow from it)
-
-
-class Block:
-    """A range of a segment: allocated, waiting for its stream uses, or free in its pool."""
-
-    __slots__ = ("address", "size", "segment", "prev", "next", "state")
-
-    def __init__(self, address: int, size: int, segment: Segment, prev: Block | None, nxt: Block | None) -> None:
-        self.address, self.size, self.segment, self.prev, self.next = address, size, segment, prev, nxt
-        self.state = "free"  # "allocated" | "waiting" (record_stream events pending) | "free"
-
-
 class OutOfMemory(Exception):
     """`OutOfMemoryError`: no cached block fits and the driver cannot give the memory, even after `malloc`
     returned the cache's free segments and retried."""
@@ -143,7 +123,7 @@ class CachingAllocator:
         self._pools: dict[tuple[str, bool], list[tuple[int, int, Block]]] = {}
         self._expandable: dict[tuple[str, bool], Segment] = {}
         self._waiting: list[tuple[float, int, Block]] = []  # heap of (events complete at, order, block)
-        self._next_address = segment_align
+        self.next_address = segment_align
         self._plain = config.max_split_size is None and not config.expandable_segments
         self._split_any = config.expandable_segments  # every rest >= kMinBlockSize is split off
         self._split_below = config.max_split_size or 1 << 62  # large requests at or over it take whole blocks
@@ -219,6 +199,33 @@ class CachingAllocator:
             if log is not None:
                 log.append(self.reserved)
 
+    def restore(self, segments, allocated, next_address: int) -> None:
+        """Make this new allocator hold `segments` ((address, size, stream, small), ascending) with the
+        blocks `allocated` ((address, size), ascending, each inside one) in use and every other range free,
+        one block per gap since free neighbours always merge: the state a replay with no pending frees and
+        no expandable segments is in whenever only those blocks are live (reserved.py `Restart`)."""
+        held = iter(allocated)
+        taken = next(held, None)
+        for address, size, stream, small in segments:
+            seg = Segment(address, size, stream, small, False, self._pools.setdefault((stream, small), []))
+            self.segments.append(seg)
+            self.reserved += size
+            at, end, prev = address, address + size, None
+            while at < end:
+                if taken is not None and taken[0] == at:
+                    block = Block(at, taken[1], seg, prev, None)
+                    block.state = "allocated"
+                    taken = next(held, None)
+                else:
+                    block = Block(at, (taken[0] if taken is not None and taken[0] < end else end) - at, seg, prev, None)
+                    self._put(seg.pool, block)
+                if prev is not None:
+                    prev.next = block
+                prev, at = block, at + block.size
+            seg.last = prev
+        self.next_address = next_address
+        self.peak = self.reserved
+
     def close(self) -> None:
         """Unlink every segment and block (each block points at its neighbours and its segment, each
         segment at its last block and its pool): reference counting then frees a replayed allocator at
@@ -290,7 +297,7 @@ class CachingAllocator:
         and the pending frees (their times less `offset`). Two points of one event sequence with equal
         layouts play the rest of it alike. Buffers outside `blocks` (the persistent ones) must be the same
         in both."""
-        return (self.reserved, self._next_address, [(seg.address, seg.size) for seg in self.segments],
+        return (self.reserved, self.next_address, [(seg.address, seg.size) for seg in self.segments],
                 [(key, [entry[:2] for entry in pool]) for key, pool in self._pools.items()],
                 [(buf, block.address, block.size) for buf, block in blocks.items()],
                 sorted((t - offset, address) for t, address, _ in self._waiting))
@@ -411,9 +418,9 @@ class CachingAllocator:
         return block
 
     def _segment(self, key: tuple[str, bool], size: int, expandable: bool) -> Segment:
-        seg = Segment(self._next_address, size, key[0], key[1], expandable, self._pools[key])
+        seg = Segment(self.next_address, size, key[0], key[1], expandable, self._pools[key])
         span = size if not expandable else 1 << 40  # an expandable segment reserves address space to grow into
-        self._next_address += -(-max(span, 1) // self.segment_align) * self.segment_align
+        self.next_address += -(-max(span, 1) // self.segment_align) * self.segment_align
         self.segments.append(seg)
         self.reserved += size
         return seg
@@ -423,7 +430,7 @@ class CachingAllocator:
         seg = block.segment
         pool = seg.pool
         nxt = block.next
-        if nxt is not None and nxt.state == "free":  # `_absorb(block, nxt)`, inlined: the hot path of every free
+        if nxt is not None and nxt.state == "free":  # `absorb(block, nxt)`, inlined: the hot path of every free
             del pool[bisect_left(pool, (nxt.size, nxt.address))]
             block.size += nxt.size
             after = block.next = nxt.next
@@ -434,7 +441,7 @@ class CachingAllocator:
         prev = block.prev
         if prev is not None and prev.state == "free":
             del pool[bisect_left(pool, (prev.size, prev.address))]
-            _absorb(prev, block)
+            absorb(prev, block)
             block = prev
         block.state = "free"
         insort(pool, (block.size, block.address, block))
@@ -456,16 +463,6 @@ class CachingAllocator:
             out.append(b)
             b = b.prev
         return reversed(out)
-
-
-def _absorb(block: Block, nxt: Block) -> None:
-    """`try_merge_blocks`: `block` takes in the block after it."""
-    block.size += nxt.size
-    after = block.next = nxt.next
-    if after is not None:
-        after.prev = block
-    if block.segment.last is nxt:
-        block.segment.last = block
 
 
 def _mapped_end(seg: Segment | None, small: bool, size: int) -> int:

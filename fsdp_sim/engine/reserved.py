@@ -82,6 +82,20 @@ class CappedReplay:
     steps: int  # steps replayed to the end (the one that ran out of memory not counted)
 
 
+@dataclass(frozen=True, slots=True)
+class Restart:
+    """Where a replay under a limit may begin past the first step: the unconstrained replay's state at each
+    step's start, when no free waits for a recorded stream and segments do not grow. Then a step ends with
+    only the persistent blocks in use and every other range of a segment one free block (free neighbours
+    always merge), so that state is the segments made by then (a prefix of the last step's: without a limit
+    none is returned) and the persistent blocks, and a capped replay whose steps reserved no more than its
+    limit played them alike (`replay_capped`)."""
+
+    starts: list[tuple[int, int, int]]  # at each step's start: (reserved, the next segment's address, segments)
+    segments: list[tuple[int, int, str, bool]]  # (address, size, stream, small) of each segment at the end
+    allocated: list[tuple[int, int]]  # (address, size) of each persistent buffer's block, ascending
+
+
 @dataclass(slots=True)
 class ReservedModel:
     """What the allocator model predicts for the step."""
@@ -97,6 +111,7 @@ class ReservedModel:
     plan_of: Callable[[], StepPlan] = field(repr=False)  # the events as the allocator plays them, built when asked
     _capped: dict[int, CappedReplay] = field(default_factory=dict, repr=False)  # by limit; shared by a memo's hits
     _plan: StepPlan | None = field(default=None, repr=False)
+    restart: Restart | None = field(default=None, repr=False)  # where a capped replay may begin (None: at the start)
 
     @property
     def plan(self) -> StepPlan:
@@ -107,7 +122,7 @@ class ReservedModel:
     def capped(self, limit: int) -> CappedReplay:
         """The same steps when the driver can give the allocator only `limit` bytes (remembered)."""
         if limit not in self._capped:
-            self._capped[limit] = replay_capped(self.plan, limit)
+            self._capped[limit] = replay_capped(self.plan, limit, self.restart)
         return self._capped[limit]
 
 
@@ -318,8 +333,10 @@ def _replay(plan: StepPlan) -> ReservedModel:
     kept = _start(plan, alloc)
     early = not any(e[5] is not None for e in plan.events)  # no free waits for a recorded stream
     steps, before, first_reserved, timeline, marks, releasable, converged = 0, -1, 0, None, None, None, False
+    starts = []
     while steps < MAX_STEPS and alloc.reserved != before:
         before = alloc.reserved
+        starts.append((before, alloc.next_address, len(alloc.segments)))
         # only the last possible step needs reserved event by event: an earlier one is the last replayed
         # only if it added nothing, when reserved stayed `before` throughout
         timeline, layouts, converged = _step(plan, alloc, kept, steps, steps == MAX_STEPS - 1,
@@ -340,10 +357,14 @@ def _replay(plan: StepPlan) -> ReservedModel:
     for seg in alloc.segments:
         by_stream[seg.stream] = by_stream.get(seg.stream, 0) + seg.size
     reserved = alloc.reserved
+    restart = None
+    if early and not plan.config.expandable_segments:
+        restart = Restart(starts, [(s.address, s.size, s.stream, s.small) for s in alloc.segments],
+                          sorted((b.address, b.size) for b in kept.values()))
     alloc.close()
     first_peak, first_row = _first_step_peak(plan)
     return ReservedModel(np.fromiter(timeline, dtype=np.int64, count=len(timeline)), reserved, first_peak, first_row, first_reserved,
-                         releasable, by_stream, steps, lambda: plan, _plan=plan)
+                         releasable, by_stream, steps, lambda: plan, _plan=plan, restart=restart)
 
 
 def _first_step_peak(plan: StepPlan) -> tuple[int, int]:
@@ -357,13 +378,25 @@ def _first_step_peak(plan: StepPlan) -> tuple[int, int]:
     return int(allocated[row]), row
 
 
-def replay_capped(plan: StepPlan, limit: int) -> CappedReplay:
+def replay_capped(plan: StepPlan, limit: int, restart: Restart | None = None) -> CappedReplay:
     """The steps of `plan` with the driver limited to `limit` bytes, until the state at a step's start
-    repeats (events all complete at a step's end first: the next step's first request would run them)."""
+    repeats (events all complete at a step's end first: the next step's first request would run them).
+
+    With `restart` (the unconstrained replay's), the steps that reserved no more than `limit` there are
+    not played again: the first step that starts within it and is not the first begins from its state.
+    They would play alike (a request that never passes the limit never meets it), and none of them
+    repeated its start (a step that adds no segment ends the unconstrained replay)."""
     alloc = CachingAllocator(plan.config, limit=limit)
     steps, retries, seen = 0, 0, None
     try:
-        kept = _start(plan, alloc)
+        known = [k for k, start in enumerate(restart.starts) if k and start[0] <= limit] if restart else []
+        if known:  # reserved only grows: the last such step
+            steps = known[-1]
+            _, address, count = restart.starts[steps]
+            alloc.restore(restart.segments[:count], restart.allocated, address)
+            kept, seen = {}, alloc.state()  # a steady step never touches `kept`
+        else:
+            kept = _start(plan, alloc)
         while steps < MAX_STEPS:
             retries = alloc.retries
             _step(plan, alloc, kept, steps, False)
