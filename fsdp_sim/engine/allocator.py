@@ -293,14 +293,16 @@ class CachingAllocator:
 
     def layout(self, blocks: dict, offset: float) -> tuple:
         """Everything the next requests and frees depend on, addresses included: reserved, where the next
-        segment goes, every segment, each pool's free blocks, the block each live buffer of `blocks` holds,
-        and the pending frees (their times less `offset`). Two points of one event sequence with equal
-        layouts play the rest of it alike. Buffers outside `blocks` (the persistent ones) must be the same
-        in both."""
-        return (self.reserved, self.next_address, [(seg.address, seg.size) for seg in self.segments],
-                [(key, [entry[:2] for entry in pool]) for key, pool in self._pools.items()],
-                [(buf, block.address, block.size) for buf, block in blocks.items()],
-                sorted((t - offset, address) for t, address, _ in self._waiting))
+        segment goes, every segment and the pending frees (their times less `offset`); then by pool, its
+        free blocks and the block each of its live buffers in `blocks` holds. Two points of one event
+        sequence with equal layouts play the rest of it alike. Buffers outside `blocks` (the persistent
+        ones) must be the same in both."""
+        pools = {key: ([entry[:2] for entry in pool], []) for key, pool in self._pools.items()}
+        for buf, block in blocks.items():
+            seg = block.segment
+            pools[seg.stream, seg.small][1].append((buf, block.address, block.size))
+        return ((self.reserved, self.next_address, [(seg.address, seg.size) for seg in self.segments],
+                 sorted((t - offset, address) for t, address, _ in self._waiting)), pools)
 
     def state(self) -> tuple:
         """The pools' layout, addresses aside: each segment's stream, pool and blocks (size, state), in

@@ -64,7 +64,8 @@ class StepPlan:
     lazy_at: int  # the index of the event they are created before (len(events): after the last)
     lazy_now: float  # when the CPU creates them
     events: list[tuple]  # (buffer, +bytes / -bytes, rounded bytes (0: a free), pool, issued, ready): each
-    # request's `round_size` and `get_pool` worked out once (`CachingAllocator.play`'s events)
+    # request's `round_size` and `get_pool` worked out once (`CachingAllocator.play`'s events; a free's pool
+    # is its request's, which `play` does not read: a steady step leaves out the pools that cannot change)
     kept: frozenset[int]  # the persistent buffers: alive across steps
     period: float  # one step's time
     deltas: np.ndarray  # each event's signed bytes (the ledger's column)
@@ -194,7 +195,7 @@ def step_plan(ops, events: MemoryEvents, persistent, issued: np.ndarray, end: np
     period = float(max(end.max(), issued.max())) if len(end) else 0.0
     lazy = [(b.id, b.nbytes) for b in persistent if b.category == "optimizer_states" and optimizer_from is not None]
     late = {i for i, _ in lazy}
-    plan, pools = [], {}  # pools: (stream, bytes) -> (rounded bytes, pool), as buffers repeat their sizes
+    plan, pools, pool_of = [], {}, {}  # pools: (stream, bytes) -> (rounded bytes, pool), as buffers repeat their sizes
     for buf, nbytes, alloc, stream, now, op in zip(events.buffers.tolist(), events.deltas.tolist(),
                                                    events.allocs.tolist(), events.streams,
                                                    issued[events.op_ids].tolist(), events.op_ids.tolist()):
@@ -204,8 +205,9 @@ def step_plan(ops, events: MemoryEvents, persistent, issued: np.ndarray, end: np
                 size = round_size(nbytes)
                 pool = pools[stream, nbytes] = size, pool_key(stream, size)
             plan.append((buf, nbytes, *pool, now, None))
+            pool_of[buf] = pool[1]
         else:
-            plan.append((buf, nbytes, 0, None, now, ready.get(op)))
+            plan.append((buf, nbytes, 0, pool_of.get(buf), now, ready.get(op)))
     n = len(plan)
     lazy_at = int(np.searchsorted(events.op_ids, optimizer_from)) if lazy else n  # op ids rise with the events
     return StepPlan(config, [(b.id, b.nbytes) for b in persistent if b.id not in late], lazy, lazy_at,
@@ -219,14 +221,15 @@ def _start(plan: StepPlan, alloc: CachingAllocator) -> dict:
 
 
 def _step(plan: StepPlan, alloc: CachingAllocator, kept: dict, step: int, record: bool, *, mark: bool = False,
-          before: dict | None = None) -> tuple[list[int] | None, dict, bool]:
+          before: dict | None = None, fixed: frozenset = frozenset()) -> tuple[list[int] | None, dict, bool]:
     """Play step `step` (the first creates the optimizer states, into `kept`); with `record`, reserved
     before and after each event. Returns that record, with `mark` the step's layouts at the CHECKPOINTS,
     and whether it stopped early: with `before` (the previous steady step's layouts), at the first
     checkpoint where the layout is the same, since from there the step replays the one before, so it
     adds nothing and ends as it began (the record is constant from there). The persistent buffers are
     never freed in a step: they stay out of the step's `blocks`, so a layout compares what the step
-    changes."""
+    changes. The pools `fixed` (`_replay`'s) are left out of the layouts' comparison, and of the
+    step unless it is recorded: replayed or not, they are where they were in the step before."""
     offset = step * plan.period
     reserved = [alloc.reserved] if record else None
     events, n = plan.events, len(plan.events)
@@ -240,22 +243,45 @@ def _step(plan: StepPlan, alloc: CachingAllocator, kept: dict, step: int, record
     blocks: dict = {}
     marks: dict = {}
     done = 0
+    skip = fixed if reserved is None else frozenset()
     for cut in cuts:
-        alloc.play(events[done:cut], offset, blocks, reserved)
+        alloc.play(_outside(events[done:cut], skip), offset, blocks, reserved)
         done = cut
         if first:  # the first optimizer step creates the states
             for i, nbytes in plan.lazy:
                 kept[i] = alloc.malloc(nbytes, "compute", plan.lazy_now)
             continue
         marks[cut] = layout = alloc.layout(blocks, offset)
-        if before is not None and before.get(cut) == layout:
+        if before is not None and cut in before and _same(before[cut], layout, fixed):
             if reserved is not None:
                 reserved.extend([alloc.reserved] * (n - cut))
             return reserved, marks, True
-    alloc.play(events[done:], offset, blocks, reserved)
+    alloc.play(_outside(events[done:], skip), offset, blocks, reserved)
     for block in blocks.values():  # alive past the step's end: freed before the next
         alloc.free(block)
     return reserved, marks, False
+
+
+def _outside(events: list, fixed: frozenset) -> list:
+    """The events of pools other than `fixed` (a free's pool is its request's: `StepPlan.events`)."""
+    return [e for e in events if e[3] not in fixed] if fixed else events
+
+
+def _same(before: tuple, layout: tuple, fixed: frozenset) -> bool:
+    """Whether two layouts (`CachingAllocator.layout`) are the same outside the pools `fixed`."""
+    if before[0] != layout[0]:
+        return False
+    if not fixed:
+        return before[1] == layout[1]
+    return {k: v for k, v in before[1].items() if k not in fixed} == {k: v for k, v in layout[1].items() if k not in fixed}
+
+
+def _held(alloc: CachingAllocator) -> dict:
+    """Reserved bytes in each pool."""
+    held: dict = {}
+    for seg in alloc.segments:
+        held[seg.stream, seg.small] = held.get((seg.stream, seg.small), 0) + seg.size
+    return held
 
 
 def replay_allocator(ops, events: MemoryEvents, persistent, issued: np.ndarray, end: np.ndarray,
@@ -333,14 +359,21 @@ def _replay(plan: StepPlan) -> ReservedModel:
     kept = _start(plan, alloc)
     early = not any(e[5] is not None for e in plan.events)  # no free waits for a recorded stream
     steps, before, first_reserved, timeline, marks, releasable, converged = 0, -1, 0, None, None, None, False
-    starts = []
+    starts, held, fixed = [], None, frozenset()
     while steps < MAX_STEPS and alloc.reserved != before:
         before = alloc.reserved
         starts.append((before, alloc.next_address, len(alloc.segments)))
+        if early and steps:
+            # a pool whose segments the steady step before left as they were starts this one as it started
+            # that one (a step ends with only the persistent blocks in use, every gap one free block): its
+            # requests and frees, which meet no other pool's without a limit, replay that step's alike
+            held, last = _held(alloc), held
+            fixed = frozenset(k for k, n in held.items() if last is not None and last.get(k) == n)
         # only the last possible step needs reserved event by event: an earlier one is the last replayed
         # only if it added nothing, when reserved stayed `before` throughout
-        timeline, layouts, converged = _step(plan, alloc, kept, steps, steps == MAX_STEPS - 1,
-                                             mark=early and 0 < steps < MAX_STEPS - 1, before=marks)
+        record = steps == MAX_STEPS - 1
+        timeline, layouts, converged = _step(plan, alloc, kept, steps, record, mark=early and 0 < steps < MAX_STEPS - 1,
+                                             before=marks, fixed=fixed)
         if steps == 0:
             first_reserved = alloc.reserved
         steps += 1

@@ -1,0 +1,88 @@
+"""The replay's shortcuts against the replay without them, on random steps (persistent buffers, optimizer
+states created in the first step, buffers alive past a step's end, two streams): a steady step that leaves
+out the pools the step before did not change (reserved.py `_replay`), and a capped replay that begins from
+the unconstrained replay's state at a later step's start (`Restart`), under random limits."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fsdp_sim.engine import reserved
+from fsdp_sim.engine.allocator import AllocatorConfig, pool_key, round_size
+
+MiB = 1 << 20
+
+sizes = st.one_of(st.integers(1, 2 * MiB), st.integers(1, 48 * MiB),
+                  st.sampled_from([MiB, 3 * MiB, 12 * MiB, 30 * MiB]))  # repeated sizes, as a model's layers make
+configs = st.sampled_from([AllocatorConfig(), AllocatorConfig(max_split_size=32 * MiB), AllocatorConfig(expandable_segments=True)])
+
+
+def _steps(max_events: int, streams: list[str]):
+    return st.fixed_dictionaries({
+        "persistent": st.lists(sizes, max_size=4), "lazy": st.lists(sizes, max_size=4),
+        "events": st.lists(st.tuples(st.booleans(), sizes, st.sampled_from(streams), st.integers(0, 1 << 30)),
+                           min_size=1, max_size=max_events),
+        "lazy_at": st.floats(0, 1), "config": configs})
+
+
+steps = _steps(50, ["compute", "side"])
+
+
+def _plan(step: dict, regrow: bool = False) -> reserved.StepPlan:
+    """A step plan of requests and frees of buffers 100 up (some alive at the step's end), buffers 0 up
+    persistent and 50 up optimizer states; no free waits for a recorded stream. `regrow`: the step ends
+    with 64 MiB (more than any other request) allocated and freed on the compute stream, and then an optimizer state of 64 MiB takes
+    that block in the first step, so that the second grows at its end and a third is played whole."""
+    events, live, deltas, pool_of = [], [], [], {}
+    seed = [(True, 64 * MiB, "compute", 0), (False, 0, "compute", 0)] if regrow else []
+    for k, (is_alloc, nbytes, stream, pick) in enumerate(step["events"] + seed):
+        if is_alloc or not live:
+            size = round_size(nbytes)
+            pool_of[100 + k] = pool_key(stream, size)
+            events.append((100 + k, nbytes, size, pool_of[100 + k], float(k), None))
+            live.append((100 + k, nbytes))
+            deltas.append(nbytes)
+        else:
+            buf, nbytes = live.pop(pick % len(live))
+            events.append((buf, -nbytes, 0, pool_of[buf], float(k), None))
+            deltas.append(-nbytes)
+    persistent = list(enumerate(step["persistent"]))
+    lazy = [(50 + i, n) for i, n in enumerate([64 * MiB] * regrow + step["lazy"])]
+    lazy_at = len(events) if regrow else int(step["lazy_at"] * len(events))
+    return reserved.StepPlan(step["config"], persistent, lazy, lazy_at, float(lazy_at), events,
+                             frozenset(i for i, _ in persistent + lazy), float(len(events)), np.array(deltas, dtype=np.int64))
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps, st.data())
+def test_a_capped_replay_from_a_later_step_equals_one_from_the_start(step, data):
+    plan = _plan(step)
+    model = reserved._replay(plan)
+    if model.restart is not None:
+        starts = [r for r, _, _ in model.restart.starts]
+        # limits at, between and around the step starts' reserved, where a restart applies or just does not
+        limit = data.draw(st.sampled_from(starts + [r + 1 for r in starts] + [r - 1 for r in starts]
+                                          + [model.reserved_bytes, (starts[-1] + model.reserved_bytes) // 2]))
+    else:
+        assert step["config"].expandable_segments
+        limit = data.draw(st.integers(0, model.reserved_bytes + 1))
+    assert reserved.replay_capped(plan, limit, model.restart) == reserved.replay_capped(plan, limit)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_steps(120, ["compute", "compute", "side", "other"]))
+def test_leaving_out_the_pools_a_step_did_not_change_changes_nothing(step):
+    plan = _plan(step, regrow=True)
+    fast = reserved._replay(plan)
+    held = reserved._held
+    try:
+        reserved._held = lambda alloc: {}  # no pool is ever found unchanged: every step plays every event
+        full = reserved._replay(plan)
+    finally:
+        reserved._held = held
+    assert fast.timeline.tolist() == full.timeline.tolist()
+    assert (fast.reserved_bytes, fast.first_step_reserved_bytes, fast.releasable_bytes, fast.by_stream, fast.steps,
+            fast.restart) == (full.reserved_bytes, full.first_step_reserved_bytes, full.releasable_bytes, full.by_stream,
+                              full.steps, full.restart)
