@@ -200,13 +200,13 @@ class CachingAllocator:
                 log.append(self.reserved)
 
     def restore(self, segments, allocated, next_address: int) -> None:
-        """Make this new allocator hold `segments` ((address, size, stream, small), ascending) with the
+        """Make this new allocator hold `segments` ((address, size, pool), ascending) with the
         blocks `allocated` ((address, size), ascending, each inside one) in use and every other range free,
         one block per gap since free neighbours always merge: the state a replay with no pending frees and
         no expandable segments is in whenever only those blocks are live (reserved.py `Restart`)."""
         held = iter(allocated)
         taken = next(held, None)
-        for address, size, stream, small in segments:
+        for address, size, (stream, small) in segments:
             seg = Segment(address, size, stream, small, False, self._pools.setdefault((stream, small), []))
             self.segments.append(seg)
             self.reserved += size

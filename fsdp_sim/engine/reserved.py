@@ -93,8 +93,9 @@ class Restart:
     limit played them alike (`replay_capped`)."""
 
     starts: list[tuple[int, int, int]]  # at each step's start: (reserved, the next segment's address, segments)
-    segments: list[tuple[int, int, str, bool]]  # (address, size, stream, small) of each segment at the end
-    allocated: list[tuple[int, int]]  # (address, size) of each persistent buffer's block, ascending
+    segments: np.ndarray  # (address, size) of each segment at the end, ascending
+    pools: list[tuple[str, bool]]  # each segment's pool (one tuple per pool)
+    allocated: np.ndarray  # (address, size) of each persistent buffer's block, ascending
 
 
 @dataclass(slots=True)
@@ -149,7 +150,9 @@ class _Memo:
         model.timeline.flags.writeable = False  # shared by every hit
         with self.lock:
             if key not in self.entries:
-                self.entries[key] = replace(model, plan_of=_no_plan, _plan=None)  # the plan stays with its step
+                # the plan stays with its step, and the restart (a hit's capped replays, seldom under
+                # another limit than the first's, which are remembered, play from the start)
+                self.entries[key] = replace(model, plan_of=_no_plan, _plan=None, restart=None)
                 self.used += model.timeline.nbytes
             while self.used > self.budget:
                 self.used -= self.entries.popitem(last=False)[1].timeline.nbytes
@@ -392,8 +395,10 @@ def _replay(plan: StepPlan) -> ReservedModel:
     reserved = alloc.reserved
     restart = None
     if early and not plan.config.expandable_segments:
-        restart = Restart(starts, [(s.address, s.size, s.stream, s.small) for s in alloc.segments],
-                          sorted((b.address, b.size) for b in kept.values()))
+        pools: dict = {}
+        restart = Restart(starts, np.array([(s.address, s.size) for s in alloc.segments], dtype=np.int64).reshape(-1, 2),
+                          [pools.setdefault((s.stream, s.small), (s.stream, s.small)) for s in alloc.segments],
+                          np.array(sorted((b.address, b.size) for b in kept.values()), dtype=np.int64).reshape(-1, 2))
     alloc.close()
     first_peak, first_row = _first_step_peak(plan)
     return ReservedModel(np.fromiter(timeline, dtype=np.int64, count=len(timeline)), reserved, first_peak, first_row, first_reserved,
@@ -426,7 +431,7 @@ def replay_capped(plan: StepPlan, limit: int, restart: Restart | None = None) ->
         if known:  # reserved only grows: the last such step
             steps = known[-1]
             _, address, count = restart.starts[steps]
-            alloc.restore(restart.segments[:count], restart.allocated, address)
+            alloc.restore(zip(*restart.segments[:count].T.tolist(), restart.pools[:count]), restart.allocated.tolist(), address)
             kept, seen = {}, alloc.state()  # a steady step never touches `kept`
         else:
             kept = _start(plan, alloc)
