@@ -292,17 +292,16 @@ class CachingAllocator:
         return total
 
     def layout(self, blocks: dict, offset: float) -> tuple:
-        """Everything the next requests and frees depend on, addresses included: reserved, where the next
-        segment goes, every segment and the pending frees (their times less `offset`); then by pool, its
-        free blocks and the block each of its live buffers in `blocks` holds. Two points of one event
-        sequence with equal layouts play the rest of it alike. Buffers outside `blocks` (the persistent
-        ones) must be the same in both."""
-        pools = {key: ([entry[:2] for entry in pool], []) for key, pool in self._pools.items()}
-        for buf, block in blocks.items():
-            seg = block.segment
-            pools[seg.stream, seg.small][1].append((buf, block.address, block.size))
-        return ((self.reserved, self.next_address, [(seg.address, seg.size) for seg in self.segments],
-                 sorted((t - offset, address) for t, address, _ in self._waiting)), pools)
+        """Everything the next requests and frees of an allocator with no `limit` depend on, addresses
+        included: (reserved, where the next segment goes, how many segments, the pending frees' blocks and
+        times less `offset`), and the block each live buffer of `blocks` holds. Two points of one replay of
+        one event sequence with equal layouts play the rest of it alike: with no limit no segment is returned, so
+        the same count is the same segments, each as large (reserved is their sum, and none shrinks),
+        and free neighbours always merge, so every free block is a gap between the blocks in use. Buffers
+        outside `blocks` (the persistent ones) must be the same in both."""
+        return ((self.reserved, self.next_address, len(self.segments),
+                 sorted((t - offset, block.address, block.size) for t, _, block in self._waiting)),
+                [(buf, block.address, block.size) for buf, block in blocks.items()])
 
     def state(self) -> tuple:
         """The pools' layout, addresses aside: each segment's stream, pool and blocks (size, state), in

@@ -25,6 +25,7 @@ which completes when the last op that stream had queued by then ends. Step k run
 from __future__ import annotations
 
 import hashlib
+from bisect import bisect_right
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -255,7 +256,7 @@ def _step(plan: StepPlan, alloc: CachingAllocator, kept: dict, step: int, record
                 kept[i] = alloc.malloc(nbytes, "compute", plan.lazy_now)
             continue
         marks[cut] = layout = alloc.layout(blocks, offset)
-        if before is not None and cut in before and _same(before[cut], layout, fixed):
+        if before is not None and cut in before and _same(before[cut], layout, fixed, alloc):
             if reserved is not None:
                 reserved.extend([alloc.reserved] * (n - cut))
             return reserved, marks, True
@@ -270,13 +271,17 @@ def _outside(events: list, fixed: frozenset) -> list:
     return [e for e in events if e[3] not in fixed] if fixed else events
 
 
-def _same(before: tuple, layout: tuple, fixed: frozenset) -> bool:
-    """Whether two layouts (`CachingAllocator.layout`) are the same outside the pools `fixed`."""
+def _same(before: tuple, layout: tuple, fixed: frozenset, alloc: CachingAllocator) -> bool:
+    """Whether two layouts of `alloc` (`CachingAllocator.layout`) are the same outside the pools `fixed`
+    (the segment a block lies in says its pool)."""
     if before[0] != layout[0]:
         return False
     if not fixed:
         return before[1] == layout[1]
-    return {k: v for k, v in before[1].items() if k not in fixed} == {k: v for k, v in layout[1].items() if k not in fixed}
+    starts = [seg.address for seg in alloc.segments]
+    pools = [(seg.stream, seg.small) for seg in alloc.segments]
+    outside = [[e for e in live if pools[bisect_right(starts, e[1]) - 1] not in fixed] for live in (before[1], layout[1])]
+    return outside[0] == outside[1]
 
 
 def _held(alloc: CachingAllocator) -> dict:
