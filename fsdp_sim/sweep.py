@@ -71,20 +71,21 @@ def points(base: dict, axes: Iterable[Axis | tuple[str, list]]) -> list[tuple[di
 
 
 def _row(result) -> dict:
-    """The sweep figures of a step: what `to_dict()` gives, without the live buffers and the units."""
+    """The sweep figures of a step: what `to_dict()` gives, without the live buffers and the units, each
+    computed once and only what the row shows (`memory_verdict`, not the whole `memory_summary`)."""
     memory = result.memory
     at = result.peak_row
     op = memory.op_at(at)
     reserved, allocated = memory.reserved_bytes, int(memory.total[at])
-    mem = result.memory_summary({"reserved_bytes": reserved, "allocated_bytes": allocated})
+    mem, _, capped = result.memory_verdict(allocated, int(reserved))
     # a step that fits may do so only by the allocator releasing its cache and retrying, every step
-    capped = result.capped_replay() if mem["fits"] else None  # fits: already replayed for the verdict
+    retries = capped.retries_per_step if capped is not None and mem["fits"] else 0
     (exposed, overlap), mfu, tp = result.exposed_communication(), result.mfu(), result.throughput()
     return {"step_time_s": result.step_time_s, "tokens_per_s_per_gpu": tp["tokens_per_s_per_gpu"],
             "tokens_per_step": tp["tokens_per_step"], "peak_allocated_bytes": allocated,
             "peak_reserved_bytes": reserved, "required_bytes": mem["required_bytes"], "fits": mem["fits"],
             "within_budget": mem["within_budget"], "headroom_bytes": mem["headroom_bytes"],
-            "allocator_retries_per_step": capped.retries_per_step if capped is not None else 0, "communication_exposed_s": exposed,
+            "allocator_retries_per_step": retries, "communication_exposed_s": exposed,
             "overlap_fraction": overlap, "mfu": mfu, "cpu_bound_s": result.cpu_bound_s(),
             "peak_phase": op.phase if op else "before step", "knife_edge": mem["knife_edge"], "error": ""}
 

@@ -1,11 +1,14 @@
 """The sweep's shortcuts give what the full result gives: a row's memory figures skip the capped allocator
 replay when the step's allocated peak alone passes the allocator's limit, since that replay must then
-run out of memory."""
+run out of memory; the overlap of communication and compute in numpy is the interval walk's."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
+from fsdp_sim.results.analysis import _intersection, _length, _merge
 from fsdp_sim.scenario import parse_scenario
 from fsdp_sim.simulate import simulate
 from fsdp_sim.sweep import _row
@@ -33,3 +36,32 @@ def test_row_memory_equals_the_full_result_and_an_allocated_peak_past_the_limit_
     assert (row["required_bytes"], row["fits"], row["headroom_bytes"]) == (
         full["memory"]["required_bytes"], full["memory"]["fits"], full["memory"]["headroom_bytes"])
     assert full["allocator"]["out_of_memory"] == (reserved > limit and capped.oom)
+
+
+def _walk(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """The overlap of two merged interval lists by a two-pointer walk over the pairs (as the row first did)."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+_intervals = st.lists(st.tuples(st.integers(0, 40).map(lambda n: n / 4), st.floats(0, 3)), max_size=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_intervals, _intervals)
+def test_the_overlap_in_numpy_is_the_walks_to_the_bit(xs, ys):
+    """`_intersection` finds the overlapping pairs with `searchsorted` and adds their pieces in the walk's
+    order: the same float, bit for bit, with touching and nested intervals (starts on a quarter grid)."""
+    merged = []
+    for pairs in (xs, ys):
+        starts = np.array([s for s, _ in pairs], dtype=float)
+        merged.append(_merge(starts, starts + np.array([d for _, d in pairs], dtype=float)))
+    a, b = ([tuple(p) for p in zip(s.tolist(), e.tolist())] for s, e in merged)
+    assert _intersection(*merged) == _walk(a, b)
+    assert _length(merged[0]) == sum(e - s for s, e in a)

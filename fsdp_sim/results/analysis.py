@@ -29,14 +29,17 @@ from fsdp_sim.results.host import host_memory
 from fsdp_sim.schedule.param_dtypes import unit_bytes
 from fsdp_sim.workload.frozen import trainable_counts
 
-def _merge(starts: np.ndarray, ends: np.ndarray) -> list[tuple[float, float]]:
-    """The union of the intervals [starts[i], ends[i]] as sorted disjoint (start, end) pairs: empty ones
-    dropped, overlapping or touching ones joined. In numpy (a fifth of the time of a sort-and-walk in
-    Python); only comparisons, so the figures are those of the walk."""
+Intervals = tuple[np.ndarray, np.ndarray]  # sorted disjoint intervals: their starts, their ends
+
+
+def _merge(starts: np.ndarray, ends: np.ndarray) -> Intervals:
+    """The union of the intervals [starts[i], ends[i]] as sorted disjoint intervals: empty ones dropped,
+    overlapping or touching ones joined. In numpy (a fifth of the time of a sort-and-walk in Python); only
+    comparisons, so the figures are those of the walk."""
     keep = ends > starts
     a, b = starts[keep], ends[keep]
     if not len(a):
-        return []
+        return a, b
     order = np.lexsort((b, a))  # by start, then end: the order `sorted` gives the pairs
     a, b = a[order], b[order]
     reach = np.maximum.accumulate(b)  # the end of the union so far
@@ -44,7 +47,7 @@ def _merge(starts: np.ndarray, ends: np.ndarray) -> list[tuple[float, float]]:
     first[0] = True
     np.greater(a[1:], reach[:-1], out=first[1:])
     last = np.append(first[1:], True)
-    return list(zip(a[first].tolist(), reach[last].tolist()))
+    return a[first], reach[last]
 
 
 def _stream_order(ops: list[Op]) -> tuple[np.ndarray, ...]:
@@ -73,20 +76,26 @@ def _stream_order(ops: list[Op]) -> tuple[np.ndarray, ...]:
     return arrays
 
 
-def _length(intervals) -> float:
-    return sum(b - a for a, b in intervals)
+def _length(intervals: Intervals) -> float:
+    starts, ends = intervals
+    return sum((ends - starts).tolist())  # added in order, as a walk over the pairs adds (0, an int, when none)
 
 
-def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Length of the overlap of two merged interval lists."""
-    total, i, j = 0.0, 0, 0
-    while i < len(a) and j < len(b):
-        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
+def _intersection(a: Intervals, b: Intervals) -> float:
+    """Length of the overlap of two merged interval lists: the pieces of the pairs that overlap, added in the
+    order a two-pointer walk over both lists meets them (by a's interval, then b's). Each interval of a
+    overlaps the run of b's from the first that ends after it starts to the last that starts before it ends
+    (disjoint sorted lists: those runs are found by `searchsorted` and are in both lists' order)."""
+    (a_start, a_end), (b_start, b_end) = a, b
+    first = np.searchsorted(b_end, a_start, side="right")  # the first of b's ending after a's start
+    stop = np.searchsorted(b_start, a_end, side="left")  # past the last of b's starting before a's end
+    counts = stop - first  # never negative: b's before `first` end, so start, before a's start
+    if not counts.any():
+        return 0.0
+    i = np.repeat(np.arange(len(a_start)), counts)
+    j = np.arange(len(i)) + np.repeat(first - (np.cumsum(counts) - counts), counts)
+    pieces = np.minimum(a_end[i], b_end[j]) - np.maximum(a_start[i], b_start[j])  # each > 0
+    return sum(pieces.tolist(), 0.0)
 
 
 @dataclass(slots=True)
@@ -107,17 +116,17 @@ class StepResult:
     def step_time_s(self) -> float:
         return self.timing.makespan
 
-    def _activity(self) -> tuple[list[tuple[float, float]], list[Op], list[Op], float]:
-        """(merged compute-stream kernel intervals, the collectives, the compute-stream kernels, seconds the
-        compute stream idled for the CPU): all a sweep row needs, from the step's `_stream_order` and its
-        times in numpy. `communication()` and `compute()` walk the collectives and kernels again for what
-        only a full result shows (bytes moved, exposure by kind, time by cause).
+    def _activity(self) -> tuple[Intervals, np.ndarray, np.ndarray, float]:
+        """(merged compute-stream kernel intervals, the collectives' ids, the compute-stream kernels' ids,
+        seconds the compute stream idled for the CPU): all a sweep row needs, from the step's `_stream_order`
+        and its times in numpy. `communication()` and `compute()` walk the collectives and kernels' ops for
+        what only a full result shows (bytes moved, exposure by kind, time by cause).
 
         The compute stream idled for the CPU where an op was ready (the stream done with the op before it,
         its events done) before the CPU issued it: it starts at its issue time, so that wait is its start
         less the time it was ready."""
         if self._activity_cache is None:
-            ops, timing = self.graph.ops, self.timing
+            timing = self.timing
             chain, kernels, collectives, with_deps, deps, firsts = self.graph.derived(
                 "stream order", lambda: _stream_order(self.graph.ops))
             ready = np.empty(len(chain))  # when the stream was done with the op before
@@ -128,13 +137,11 @@ class StepResult:
                 ready[with_deps] = np.maximum(ready[with_deps], np.maximum.reduceat(timing.end[deps], firsts))
             idle = timing.issued[chain] > ready
             cpu_bound = sum((timing.start[chain][idle] - ready[idle]).tolist(), 0.0)  # in stream order, as a loop adds
-            self._activity_cache = (_merge(timing.start[kernels], timing.end[kernels]), [ops[i] for i in collectives],
-                                    [ops[i] for i in kernels], cpu_bound)
+            self._activity_cache = (_merge(timing.start[kernels], timing.end[kernels]), collectives, kernels, cpu_bound)
         return self._activity_cache
 
-    def _union(self, ops: list[Op]) -> list[tuple[float, float]]:
-        """The merged intervals the ops run in."""
-        ids = np.fromiter((op.id for op in ops), dtype=np.intp, count=len(ops))
+    def _union(self, ids: np.ndarray) -> Intervals:
+        """The merged intervals the ops `ids` run in."""
         return _merge(self.timing.start[ids], self.timing.end[ids])
 
     def _exposure(self) -> tuple[float, float]:
@@ -160,7 +167,7 @@ class StepResult:
         ring |= tp_pricing(s, self.scenario.cluster).get("ring_factors", {})  # the TP group's (schedule/tp.py)
         by_kind: dict[str, list[Op]] = {k: [] for k in COLLECTIVES}
         moved = {k: 0.0 for k in COLLECTIVES}
-        for op in collectives:
+        for op in map(self.graph.ops.__getitem__, collectives.tolist()):
             by_kind[op.kind].append(op)
             moved[op.kind] += op.comm_bytes * ring[op.group]
         start, end = self.timing.start.tolist(), self.timing.end.tolist()
@@ -168,7 +175,7 @@ class StepResult:
         exposed, overlap = self.exposed_communication()
         exposed_by_kind = {}
         for kind, ops in by_kind.items():
-            merged = self._union(ops)
+            merged = self._union(np.array([op.id for op in ops], dtype=np.intp))
             exposed_by_kind[kind] = max(0.0, _length(merged) - _intersection(merged, busy))
         return {"all_gather_bytes": int(moved["all_gather"]), "reduce_scatter_bytes": int(moved["reduce_scatter"]),
                 "all_reduce_bytes": int(moved["all_reduce"]), "total_s": total, "exposed_s": exposed,
@@ -228,7 +235,7 @@ class StepResult:
         mfu = self.mfu()
         start, end = self.timing.start.tolist(), self.timing.end.tolist()
         matmul = attention = memory = interference = 0.0
-        for op in kernels:
+        for op in map(self.graph.ops.__getitem__, kernels.tolist()):
             i = op.id
             t = self.alone_s(op)
             matmul += t.matmul
@@ -270,7 +277,9 @@ class StepResult:
         their first collective; HSDP has two, hpZ adds its post-forward groups): the profile's figure each."""
         # measured per PyTorch process group (profile comment), for the NCCL the run's torch ships
         nccl = nccl_buffer_bytes(self.scenario.cluster.gpu, nccl_version(self.scenario.compute.torch_version))
-        return {g: nccl for g in sorted({op.group for op in self._activity()[1]})}  # the collectives, found once
+        ops = self.graph.ops  # the collectives' groups are the graph's structure: found once per build
+        groups = self.graph.derived("collective groups", lambda: sorted({ops[i].group for i in self._activity()[1].tolist()}))
+        return dict.fromkeys(groups, nccl)
 
     def allocator(self, peak: dict) -> dict:
         """The caching allocator model beside the peak: what it keeps cached, not allocated; per stream;
@@ -301,11 +310,34 @@ class StepResult:
     def _budget(self) -> int:
         return int(self.scenario.cluster.gpu.memory_bytes * (1 - self.scenario.safety_margin))  # whole bytes
 
-    def capped_replay(self) -> CappedReplay | None:
-        """The allocator's steps replayed under `allocator_limit` (free-and-retry, engine/reserved.py),
-        or None when the unconstrained reserved is within it: nothing would be refused, so both agree."""
-        model, limit = self.memory.allocator, self.allocator_limit()
+    def capped_replay(self, limit: int | None = None) -> CappedReplay | None:
+        """The allocator's steps replayed under `allocator_limit` (free-and-retry, engine/reserved.py; `limit`:
+        that limit, when the caller has it), or None when the unconstrained reserved is within it: nothing
+        would be refused, so both agree."""
+        model = self.memory.allocator
+        limit = self.allocator_limit() if limit is None else limit
         return model.capped(limit) if model.reserved_bytes > limit else None
+
+    def memory_verdict(self, allocated: int, unconstrained: int) -> tuple[dict, int, CappedReplay | None]:
+        """`memory_summary`'s verdict from the peak's allocated bytes and the unconstrained reserved bytes:
+        ({required_bytes, fits, within_budget, headroom_bytes, knife_edge}, the reserved figure required
+        counts, the capped replay that gave it or None); all a sweep row keeps of the memory."""
+        gpu = self.scenario.cluster.gpu
+        overhead = gpu.cuda_context_bytes + sum(self.nccl_groups().values())
+        limit = self.allocator_limit()
+        # allocated past the limit: the capped replay must run out of memory (its steady step holds the
+        # same live blocks, each at least its request, and it replays that step unless it fails first),
+        # so its verdict is known without playing it; `allocator()` still plays it for its own figures
+        capped = self.capped_replay(limit) if allocated <= limit else None
+        reserved = capped.reserved_bytes if capped and not capped.oom else unconstrained
+        required = reserved + overhead
+        budget = self._budget()  # whole bytes, so headroom = budget - required exactly
+        # a knife edge: the live tensors fit the GPU, but what the allocator reserves with room to spare would
+        # not, so its placement under the GPU's limit (release the cache and retry, or run out with the free
+        # blocks too fragmented for a request: engine/allocator.py, as c10's malloc) decides the verdict
+        knife_edge = allocated + overhead <= gpu.memory_bytes < unconstrained + overhead
+        return ({"required_bytes": required, "fits": required <= gpu.memory_bytes, "within_budget": required <= budget,
+                 "headroom_bytes": budget - required, "knife_edge": knife_edge}, reserved, capped)
 
     def memory_summary(self, peak: dict) -> dict:
         """Capacity, budget, required = reserved + CUDA context + NCCL per process group, fits (the step
@@ -313,7 +345,7 @@ class StepResult:
         capacity less the safety margin: the advice) and headroom = budget - required;
         reserved is the unconstrained figure unless it passes what the GPU leaves the allocator: then the
         replay under that limit decides (its peak reserved when it releases, retries and gets by; the
-        unconstrained figure when it runs out of memory even so);
+        unconstrained figure when it runs out of memory even so): `memory_verdict`;
         the overheads beside the peak's categories (`overheads_bytes`); the model state per rank
         (`persistent_bytes`: what persists across steps, plus the sharded gradients, held from their
         reduce-scatter to zero_grad; under FSDP2's CPUOffloadPolicy they live on the host, `host` says; FSDP1's
@@ -324,14 +356,7 @@ class StepResult:
         allocated = peak.get("allocated_bytes")
         if allocated is None:
             allocated = int(self.memory.levels[self.peak_row].sum())
-        margin = self.scenario.safety_margin
-        # allocated past the limit: the capped replay must run out of memory (its steady step holds the
-        # same live blocks, each at least its request, and it replays that step unless it fails first),
-        # so its verdict is known without playing it; `allocator()` still plays it for its own figures
-        capped = self.capped_replay() if allocated <= self.allocator_limit() else None
-        reserved = capped.reserved_bytes if capped and not capped.oom else int(peak["reserved_bytes"])
-        required = reserved + gpu.cuda_context_bytes + nccl
-        budget = self._budget()  # whole bytes, so headroom = budget - required exactly
+        verdict, reserved, _ = self.memory_verdict(allocated, int(peak["reserved_bytes"]))
         persistent = {c: 0 for c in CATEGORIES}
         for b in self.memory.persistent:
             persistent[b.category] += b.nbytes
@@ -339,14 +364,8 @@ class StepResult:
         if not (s.offload_params and s.version == 2):  # CPUOffloadPolicy keeps no sharded gradient on the GPU
             grads = CATEGORIES.index("sharded_grads")
             persistent["sharded_grads"] = max(persistent["sharded_grads"], int(self.memory.levels[:, grads].max()))
-        # a knife edge: the live tensors fit the GPU, but what the allocator reserves with room to spare would
-        # not, so its placement under the GPU's limit (release the cache and retry, or run out with the free
-        # blocks too fragmented for a request: engine/allocator.py, as c10's malloc) decides the verdict
-        overhead = gpu.cuda_context_bytes + nccl
-        knife_edge = allocated + overhead <= gpu.memory_bytes < int(peak["reserved_bytes"]) + overhead
-        return {"capacity_bytes": gpu.memory_bytes, "safety_margin": margin, "budget_bytes": budget,
-                "required_bytes": required, "fits": required <= gpu.memory_bytes, "within_budget": required <= budget,
-                "headroom_bytes": budget - required, "knife_edge": knife_edge,
+        return {"capacity_bytes": gpu.memory_bytes, "safety_margin": self.scenario.safety_margin,
+                "budget_bytes": self._budget(), **verdict,
                 "persistent_bytes": {c: v for c, v in persistent.items() if v},
                 "nccl_groups_bytes": groups,
                 "overheads_bytes": {"cuda_context": gpu.cuda_context_bytes, "nccl": nccl,
