@@ -67,6 +67,7 @@ class RowFile:
         self.path, self.fields, self.swept, self.kind = path, fields, swept, kind(path)
         self.count = 0  # rows in the file
         self._fh = None
+        self._texts: dict[int, str] = {}  # each row in the file as written, by its point's index: `finish` reuses it
 
     # -- identity -------------------------------------------------------------------------------------
     def point_id(self, values: dict) -> tuple:
@@ -86,25 +87,34 @@ class RowFile:
         except OSError:
             return None
 
-    def _lines(self, rows: Iterable[dict]) -> str:
+    def _lines(self, at: Iterable[int], rows: Iterable[dict]) -> str:
+        """The rows' text (a line each), remembered by their points' indices `at` for `finish`."""
+        texts = []
         if self.kind == "csv":
-            out = io.StringIO()
-            csv.writer(out).writerows([_cell(row.get(k)) for k in self.fields] for row in rows)
-            return out.getvalue()
-        try:
-            return "".join(json.dumps(row, allow_nan=False) + "\n" for row in rows)
-        except (ValueError, TypeError) as exc:
-            raise ScenarioError(f"-o {self.path}: a row cannot be written as JSON ({exc})") from None
+            out, ends = io.StringIO(), [0]
+            writer = csv.writer(out)
+            for row in rows:
+                writer.writerow([_cell(row.get(k)) for k in self.fields])
+                ends.append(out.tell())
+            whole = out.getvalue()
+            texts = [whole[a:b] for a, b in zip(ends, ends[1:])]
+        else:
+            try:
+                texts = [json.dumps(row, allow_nan=False) + "\n" for row in rows]
+            except (ValueError, TypeError) as exc:
+                raise ScenarioError(f"-o {self.path}: a row cannot be written as JSON ({exc})") from None
+        self._texts.update(zip(at, texts))
+        return "".join(texts)
 
-    def _text(self, rows: list[dict], closed: bool) -> str:
-        """The whole file: header (CSV) or `[` (JSON), the rows, and for a finished JSON array its `]`."""
+    def _text(self, lines: str, closed: bool) -> str:
+        """The whole file: header (CSV) or `[` (JSON), the rows' `lines`, and for a finished JSON array its `]`."""
         if self.kind == "csv":
             header = io.StringIO()
             csv.writer(header).writerow(self.fields)
-            return header.getvalue() + self._lines(rows)
+            return header.getvalue() + lines
         if self.kind == "jsonl":
-            return self._lines(rows)
-        body = self._lines(rows).rstrip("\n").replace("\n", ",\n")
+            return lines
+        body = lines.rstrip("\n").replace("\n", ",\n")
         return "[\n" + body + ("\n]\n" if closed else "")
 
     def _error(self, exc: OSError) -> ScenarioError:
@@ -123,27 +133,29 @@ class RowFile:
             tmp.unlink(missing_ok=True)
             raise self._error(exc) from None
 
-    def start(self, kept: list[dict] = (), target: Path | None = None) -> None:
-        """Open the file for the sweep's rows: fresh (a header), or holding the `kept` rows of a resume
-        (the regular file `target` rewritten without a torn tail, and a JSON array without its `]`)."""
-        kept = list(kept)
+    def start(self, kept: dict[int, dict] | None = None, target: Path | None = None) -> None:
+        """Open the file for the sweep's rows: fresh (a header), or holding the `kept` rows of a resume, by
+        their points' indices (the regular file `target` rewritten without a torn tail, and a JSON array
+        without its `]`)."""
+        kept = kept or {}
         try:
             if kept:
-                self._replace(target, self._text(kept, closed=False))
+                self._replace(target, self._text(self._lines(kept, kept.values()), closed=False))
                 self._fh = open(self.path, "a", encoding="utf-8", newline="")
             else:
                 self._fh = open(self.path, "w", encoding="utf-8", newline="")
-                self._fh.write(self._text([], closed=False))
+                self._fh.write(self._text("", closed=False))
                 self._fh.flush()
         except OSError as exc:
             raise self._error(exc) from None
         self.count = len(kept)
 
-    def append(self, rows: list[dict]) -> None:
-        """A finished chunk's rows, flushed to the operating system (a killed process keeps them)."""
+    def append(self, at: list[int], rows: list[dict]) -> None:
+        """A finished chunk's rows (of the points `at`), flushed to the operating system (a killed process
+        keeps them)."""
         if not rows:
             return
-        text = self._lines(rows)
+        text = self._lines(at, rows)
         if self.kind == "json":
             text = ("" if self.count == 0 else ",\n") + text.rstrip("\n").replace("\n", ",\n")
         try:
@@ -162,11 +174,14 @@ class RowFile:
             self._fh = None
 
     def finish(self, rows: list[dict]) -> None:
-        """The completed sweep: the file rewritten as `rows` (the sweep's order), or closed as written."""
+        """The completed sweep: the file rewritten as `rows` (the sweep's order; each row's text as written,
+        not formatted again), or closed as written."""
         self.close()
         target = self._target()
         if target is not None:
-            self._replace(target, self._text(rows, closed=True))
+            unwritten = [i for i in range(len(rows)) if i not in self._texts]
+            self._lines(unwritten, [rows[i] for i in unwritten])
+            self._replace(target, self._text("".join(self._texts[i] for i in range(len(rows))), closed=True))
         elif self.kind == "json":
             try:
                 with open(self.path, "a", encoding="utf-8") as fh:
@@ -249,8 +264,7 @@ class RowFile:
             if other != i:
                 raise self._refuse(f"two points read back alike, {show(chosen[other])} and {show(values)}; "
                                    "write .jsonl to resume this sweep")
-        found: dict[int, dict] = {}
-        kept = []
+        found: dict[int, dict] = {}  # in file order
         for n, record in enumerate(self._records(text), start=1):
             missing = [k for k in self.swept if k not in record]
             if missing:
@@ -262,8 +276,7 @@ class RowFile:
             if i in found:
                 continue  # written twice: the first stands
             found[i] = self._row(record, chosen[i])
-            kept.append(found[i])
-        self.start(kept, target)
+        self.start(found, target)
         return found
 
     def _row(self, record: dict, values: dict) -> dict:

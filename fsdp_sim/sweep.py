@@ -16,7 +16,6 @@ the points that file does not hold yet.
 
 from __future__ import annotations
 
-import copy
 import gc
 import sys
 from collections.abc import Callable, Iterable
@@ -40,16 +39,23 @@ MAX_BATCH_LIMIT = 4096
 
 
 def assign(data: dict, key: str, value: Any) -> None:
+    """`key` (dotted) set to `value` in `data`, each section on its path copied rather than changed: the
+    others stay shared with whatever `data` was copied from (a sweep's base, its other points), which no
+    one changes (parsing reads its data), so a point costs a copy of the few mappings it sets, not of the
+    whole scenario."""
     *parents, leaf = key.split(".")
     node = data
     for part in parents:
         child = node.get(part)
         if child is None:
-            child = node[part] = {}
+            child = {}
         elif isinstance(child, str) and part == "model":  # a preset name becomes a mapping with overrides
-            child = node[part] = {"preset": child}
+            child = {"preset": child}
         elif not isinstance(child, dict):
             raise ScenarioError(f"--set {key}: {part!r} is not a section of the scenario")
+        else:
+            child = dict(child)
+        node[part] = child
         node = child
     node[leaf] = value
 
@@ -62,7 +68,7 @@ def points(base: dict, axes: Iterable[Axis | tuple[str, list]]) -> list[tuple[di
     """(the swept values, the scenario data) for every combination, in the order the axes were given."""
     out = []
     for chosen in combinations(_axes(axes)):
-        data = copy.deepcopy(base)
+        data = dict(base)  # its own top level, and the sections `assign` sets
         for key, value in chosen.items():
             if "." in key or key in SECTIONS:  # else a named choice's name (grid.py), for the rows only
                 assign(data, key, value)
@@ -137,7 +143,7 @@ def run_max_batch(data: dict, base: Path, limit: int = MAX_BATCH_LIMIT) -> dict:
     rows: dict[int, dict] = {}
 
     def fits(batch: int) -> bool:
-        trial = copy.deepcopy(data)
+        trial = dict(data)
         assign(trial, MICRO_BATCH, batch)
         rows[batch] = row = run_point(trial, base)
         if row["error"] and batch == 1:
@@ -217,7 +223,7 @@ def with_assignments(base: dict, assignments: Iterable[str]) -> dict:
     """`base` with each `--set KEY=VALUE` applied (`run`'s what-if: one value per key, else a sweep's job)."""
     if not assignments:
         return base
-    data = copy.deepcopy(expect_mapping("scenario", base))
+    data = dict(expect_mapping("scenario", base))
     for text in assignments:
         key, values = parse_assignment(text)
         if len(values) != 1:
@@ -284,7 +290,7 @@ def sweep(path: str, assignments: Iterable[str] = (), *, grid: str | None = None
     missing = [i for i, row in enumerate(rows) if row is None]
 
     def finished(at: list[int], results: list[dict]) -> None:
-        new = []
+        new, where = [], []
         for j, result in zip(at, results):
             if "unknown key" in result["error"]:  # a misspelt key: the sweep itself is wrong
                 raise ScenarioError(result["error"])
@@ -292,8 +298,9 @@ def sweep(path: str, assignments: Iterable[str] = (), *, grid: str | None = None
             chosen = todo[i][0]
             rows[i] = row = dict.fromkeys(keys) | {k: chosen.get(k) for k in swept} | result
             new.append(row)
+            where.append(i)
         if file is not None:
-            file.append(new)
+            file.append(where, new)
 
     folder = Path(path).parent if executor == "local" else Path(path).resolve().parent  # workers elsewhere
     try:

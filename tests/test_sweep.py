@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 import json
 
@@ -69,6 +70,19 @@ def test_points_are_the_cartesian_product_and_a_preset_takes_overrides():
                                                   {"training.micro_batch": 1, "model.layers": 4}]
     assert len(grid) == 6 and grid[0][1]["model"] == {"preset": "llama3-8b", "layers": 2}
     assert BASE["model"] == "llama3-8b"  # the base is not modified
+
+
+def test_points_share_the_sections_they_do_not_set_and_parsing_changes_none():
+    """A point copies only the mappings its keys set (`assign`), so its other sections are the base's own
+    objects: sound only while parsing and simulating leave their data as it was, which this checks on
+    points of every kind of section (a preset model, nested mappings, lists)."""
+    base = BASE | {"fsdp": {"wrap": "per_block"}, "variation": {"stragglers": [{"rank": 1, "speed": 0.9}]}}
+    grid = points(base, [("training.micro_batch", [1, 2]), ("model.layers", [2]), ("hardware.nodes", [1, 2])])
+    snapshot = copy.deepcopy((base, grid))
+    assert grid[0][1]["fsdp"] is base["fsdp"] and grid[0][1]["training"] is not base["training"]
+    for _, data in grid:
+        simulate(parse_scenario(data)).to_dict()
+    assert (base, grid) == snapshot
 
 
 def test_each_row_equals_its_own_run(tmp_path):
