@@ -225,3 +225,24 @@ def test_points_that_split_their_tokens_alike_are_dispatched_together_and_rows_k
         assert len(twins) == 2 and abs(position[twins[0]] - position[twins[1]]) == 1
     rows = sweep_points(datas, tmp_path, jobs=2)
     assert rows == [run_point(data, tmp_path) for data in datas]
+
+
+def test_a_sweep_freezes_the_heap_only_while_it_runs_and_leaves_a_callers_freeze(tmp_path, monkeypatch):
+    import gc
+
+    import fsdp_sim.sweep as sweep_module
+
+    path = tmp_path / "base.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    seen = []
+    run = sweep_module.run_point
+    monkeypatch.setattr(sweep_module, "run_point", lambda data, base: seen.append(gc.get_freeze_count()) or run(data, base))
+    assert gc.get_freeze_count() == 0
+    sweep(str(path), ["training.micro_batch=1,2"], jobs=1)
+    assert seen and min(seen) > 0 and gc.get_freeze_count() == 0
+    gc.freeze()  # a caller's own freeze stays (its count falls only as frozen objects are freed)
+    try:
+        sweep(str(path), ["training.micro_batch=1"], jobs=1)
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
