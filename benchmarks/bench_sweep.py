@@ -15,6 +15,11 @@ backward prefetch x 1..16 nodes), changes what a point allocates or its mesh at 
 points share fewer graphs and replays than the 10,000's: it runs whole, after the 10,000-point grid, on each
 executor.
 
+Last, the mixed grid as a user runs it, `fsdp-sim sweep scenarios/llama3-8b-8xh100.yaml --grid
+benchmarks/mixed-1k.grid.yaml --jobs JOBS -q -o rows.csv`, in a fresh process: wall time from its start to
+its exit (interpreter start, imports, pool start-up, the rows written, exit), best of three, and its CPU
+time (the command's and its workers').
+
 Then one core's cost per point: parsing, simulating and reducing to a row (against the full `to_dict()`
 a `run` builds), and where a point's time goes by phase over points in a worker's order (cProfile's shares
 of parse, graph build, pricing and play, memory replay, row, scaled to the unprofiled time; a sampling
@@ -30,11 +35,15 @@ e.g. python benchmarks/bench_sweep.py all 2 local
 
 from __future__ import annotations
 
+import compileall
 import cProfile
+import os
 import pstats
 import random
 import resource
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -135,6 +144,26 @@ def phases(n: int = 200) -> None:
           "by phase (cProfile shares): " + ", ".join(f"{k} {v * per_point * 1e3:.2f} ms ({v:.0%})" for k, v in share.items()))
 
 
+def command(jobs: int | None, repeats: int = 3) -> None:
+    """The mixed grid's `fsdp-sim sweep` as a user runs it: (wall, CPU) of each run, the best wall shown."""
+    runs = []
+    compileall.compile_dir(ROOT / "fsdp_sim", quiet=1)  # as an installed copy has them (PYTHONDONTWRITEBYTECODE or not)
+    with tempfile.TemporaryDirectory() as folder:
+        argv = [sys.executable, "-m", "fsdp_sim.cli", "sweep", str(SCENARIO), "--grid", str(MIXED), "-q",
+                "-o", str(Path(folder) / "rows.csv")] + (["--jobs", str(jobs)] if jobs else [])
+        env = os.environ | {"PYTHONPATH": str(ROOT)}
+        for _ in range(repeats):
+            cpu0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+            subprocess.run(argv, env=env, check=True)
+            wall, cpu1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+            runs.append((wall, cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime))
+    wall, cpu = min(runs)
+    print(f"the command, {' '.join(argv[3:4] + ['scenarios/' + SCENARIO.name, '--grid', 'benchmarks/' + MIXED.name])}"
+          f"{f' --jobs {jobs}' if jobs else ''} -q -o rows.csv (1,000 points, start-up and exit included, best of "
+          f"{repeats}): {wall:.2f} s wall ({1000 / wall:.0f} configurations/s), {cpu:.2f} CPU s; all runs: "
+          + ", ".join(f"{w:.2f} s / {c:.2f} CPU s" for w, c in runs))
+
+
 def main() -> None:
     budget = float("inf") if len(sys.argv) > 1 and sys.argv[1] == "all" else float(sys.argv[1]) if len(sys.argv) > 1 else 60.0
     jobs = int(sys.argv[2]) if len(sys.argv) > 2 else None
@@ -151,6 +180,7 @@ def main() -> None:
                   f"{done / wall:>11.0f}{done / cpu:>15.0f}{10_000 * wall / done:>14.1f}{10_000 * cpu / done:>18.1f}"
                   f"{errors:>8}{started:>12.1f}")
     print("(s per 10,000 and CPU s per 10,000 extrapolate the points run to 10,000 points of their grid)")
+    command(jobs)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Where a sweep's points run: in this process, in local processes, or on a Dask distributed cluster.
 
 `open_runner(executor, jobs=..., scheduler=...)` is a context manager that yields a runner; its
-`map(fn, items, tick, done=...)` returns `[fn(x) for x in items]` in order, calling `tick(n)` as n items
-finish and `done(indices, results)` with each finished chunk as it finishes (in the order they finish, so
-that a sweep can write its rows while later chunks still run: a killed sweep keeps what finished).
+`map(fn, items, tick, done=..., groups=...)` returns `[fn(x) for x in items]` in order, calling `tick(n)` as
+n items finish and `done(indices, results)` with each finished chunk as it finishes (in the order they
+finish, so that a sweep can write its rows while later chunks still run: a killed sweep keeps what
+finished); `groups`, each item's group (alike items side by side), keeps a group in one chunk where it can.
 
 - `local` (the default): this process for `jobs=1` or a single item, else a `ProcessPoolExecutor` with
   `jobs` workers (default: one per CPU), items sent in chunks.
@@ -53,22 +54,30 @@ class WorkerLost(RuntimeError):
 CHUNK = 64  # items: a chunk's dispatch (a pickled message each way, a few wake-ups) is then ~1 % of its work
 
 
-def _starts(n: int, workers: int) -> list[int]:
+def _starts(n: int, workers: int, groups: Sequence | None = None) -> list[int]:
     """Where each chunk of `n` items starts (and `n`, where the last ends): each chunk a (2 x workers)-th of
     the items left, at most CHUNK (guided self-scheduling). Chunks shrink toward the end, so that a worker
     that finishes early waits at most for a small one (in fixed chunks of 64 points of ~10 ms, one worker
-    could idle for up to 0.6 s while the other ran the last). The items of a chunk stay together
-    in one worker, in order (the sweep's dispatch order: alike points share that worker's memos)."""
+    could idle for up to 0.6 s while the other ran the last). The items of a chunk stay together in one
+    worker, in order; `groups` (each item's, alike items side by side: the sweep's dispatch order) moves a
+    chunk's end back to where a group ends, when one does in the chunk's second half, so that a group's
+    points meet one worker's memos (a graph re-sized rather than built) instead of two."""
     starts, at = [0], 0
     while at < n:
-        at += min(CHUNK, -(-(n - at) // (2 * max(1, workers))))
-        starts.append(at)
+        end = at + min(CHUNK, -(-(n - at) // (2 * max(1, workers))))
+        if groups is not None and end < n:
+            cut = end
+            while cut > at + (end - at) // 2 + 1 and groups[cut] == groups[cut - 1]:
+                cut -= 1
+            end = cut if groups[cut] != groups[cut - 1] else end
+        starts.append(end)
+        at = end
     return starts
 
 
-def _chunks(items: Sequence, workers: int) -> list[tuple[int, list]]:
+def _chunks(items: Sequence, workers: int, groups: Sequence | None = None) -> list[tuple[int, list]]:
     """(start, its items) per chunk (`_starts`)."""
-    starts = _starts(len(items), workers)
+    starts = _starts(len(items), workers, groups)
     return [(a, list(items[a:b])) for a, b in zip(starts, starts[1:])]
 
 
@@ -98,7 +107,8 @@ def _ignore_sigint() -> None:
 class SerialRunner:
     """Every item in this process, in order."""
 
-    def map(self, fn: Callable, items: Sequence, tick: Tick = _no_tick, done: Done | None = None) -> list:
+    def map(self, fn: Callable, items: Sequence, tick: Tick = _no_tick, done: Done | None = None,
+            groups: Sequence | None = None) -> list:
         out = []
         for i, x in enumerate(items):
             out.append(fn(x))
@@ -115,13 +125,14 @@ class ProcessRunner:
         self.jobs = jobs or os.cpu_count() or 1
         self._pool: ProcessPoolExecutor | None = None
 
-    def map(self, fn: Callable, items: Sequence, tick: Tick = _no_tick, done: Done | None = None) -> list:
+    def map(self, fn: Callable, items: Sequence, tick: Tick = _no_tick, done: Done | None = None,
+            groups: Sequence | None = None) -> list:
         if len(items) <= 1:
             return SerialRunner().map(fn, items, tick, done)
         if self._pool is None:
             self._pool = ProcessPoolExecutor(max_workers=self.jobs, initializer=_ignore_sigint)
         # submitted in order, as Executor.map would: the workers take the chunks in the dispatch order
-        futures = {self._pool.submit(_run_chunk, fn, chunk): start for start, chunk in _chunks(items, self.jobs)}
+        futures = {self._pool.submit(_run_chunk, fn, chunk): start for start, chunk in _chunks(items, self.jobs, groups)}
         out: list = [None] * len(items)
         finished = False
         try:
@@ -166,11 +177,12 @@ class DaskRunner:
     def workers(self) -> int:
         return max(1, sum(self.client.nthreads().values()))
 
-    def map(self, fn: Callable, items: Sequence, tick: Tick = _no_tick, done: Done | None = None) -> list:
+    def map(self, fn: Callable, items: Sequence, tick: Tick = _no_tick, done: Done | None = None,
+            groups: Sequence | None = None) -> list:
         if not items:
             return []
         distributed = _distributed()
-        starts, chunks = zip(*_chunks(items, self.workers()))
+        starts, chunks = zip(*_chunks(items, self.workers(), groups))
         # pure=False: every point is its own task, and the scheduler need not hash the scenario data
         futures = self.client.map(partial(_run_chunk, fn), list(chunks), pure=False)
         start = {future.key: at for at, future in zip(starts, futures)}

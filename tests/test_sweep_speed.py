@@ -1,6 +1,7 @@
 """The sweep's shortcuts give what the full result gives: a row's memory figures skip the capped allocator
 replay when the step's allocated peak alone passes the allocator's limit, since that replay must then
-run out of memory; the overlap of communication and compute in numpy is the interval walk's."""
+run out of memory; the overlap of communication and compute in numpy is the interval walk's; the chunks
+the points go to the workers in."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from fsdp_sim.executors import CHUNK, _starts
 from fsdp_sim.results.analysis import _intersection, _length, _merge
 from fsdp_sim.scenario import parse_scenario
 from fsdp_sim.simulate import simulate
@@ -65,3 +67,24 @@ def test_the_overlap_in_numpy_is_the_walks_to_the_bit(xs, ys):
     a, b = ([tuple(p) for p in zip(s.tolist(), e.tolist())] for s, e in merged)
     assert _intersection(*merged) == _walk(a, b)
     assert _length(merged[0]) == sum(e - s for s, e in a)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 80), max_size=40), st.integers(1, 8))
+def test_chunks_cover_the_points_in_order_shrink_to_the_end_and_keep_groups_whole_where_they_can(runs, workers):
+    """`_starts`: every point once, in order; at most CHUNK each; without groups each chunk a (2 x workers)-th
+    of what is left (so no larger than the one before); with groups, a chunk ends at a group's end whenever
+    one falls in its second half."""
+    groups = [g for g, length in enumerate(runs) for _ in range(length)]
+    n = len(groups)
+    plain = _starts(n, workers)
+    sizes = [b - a for a, b in zip(plain, plain[1:])]
+    assert plain[0] == 0 and plain[-1] == n and all(0 < s <= CHUNK for s in sizes)
+    assert sizes == sorted(sizes, reverse=True)
+    grouped = _starts(n, workers, groups)
+    assert grouped[0] == 0 and grouped[-1] == n and all(a < b for a, b in zip(grouped, grouped[1:]))
+    for a, b in zip(grouped, grouped[1:-1]):
+        size = min(CHUNK, -(-(n - a) // (2 * workers)))
+        assert b - a <= size
+        ends = [p for p in range(a + size // 2 + 1, a + size + 1) if p < n and groups[p] != groups[p - 1]]
+        assert b == (ends[-1] if ends else a + size)
