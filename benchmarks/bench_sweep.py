@@ -158,7 +158,7 @@ def command(jobs: int | None, repeats: int = 3) -> None:
             wall, cpu1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
             runs.append((wall, cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime))
     wall, cpu = min(runs)
-    print(f"the command, {' '.join(argv[3:4] + ['scenarios/' + SCENARIO.name, '--grid', 'benchmarks/' + MIXED.name])}"
+    print(f"the command, fsdp-sim sweep scenarios/{SCENARIO.name} --grid benchmarks/{MIXED.name}"
           f"{f' --jobs {jobs}' if jobs else ''} -q -o rows.csv (1,000 points, start-up and exit included, best of "
           f"{repeats}): {wall:.2f} s wall ({1000 / wall:.0f} configurations/s), {cpu:.2f} CPU s; all runs: "
           + ", ".join(f"{w:.2f} s / {c:.2f} CPU s" for w, c in runs))
