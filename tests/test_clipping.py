@@ -142,15 +142,24 @@ def _launches_as_the_loop_counts(numels, depth=1):
     return launches + (loc_block != 0)
 
 
-def test_multi_tensor_apply_launches_follow_its_loop():
+def test_multi_tensor_apply_launches_at_the_loops_edges():
     assert multi_tensor_apply_launches([4] * 770) == 1 and multi_tensor_apply_launches([4] * 771) == 2
     assert multi_tensor_apply_launches([FOREACH_MAX_CHUNKS * 65536 + 1]) == 2
     assert multi_tensor_apply_launches([0, 0]) == 0
+
+
+def _random_lists(count=300):
     rng = random.Random(0)
-    for _ in range(300):
+    for _ in range(count):
         numels = [rng.choice([0, 1, 4096, 65536, 65537, 10**6, 5 * 10**7, 2 * 10**8]) for _ in range(rng.randint(1, 2000))]
-        depth = rng.randint(1, 5)
-        assert multi_tensor_apply_launches(numels, depth) == _launches_as_the_loop_counts(numels, depth), (numels, depth)
+        yield numels, rng.randint(1, 5)
+
+
+@pytest.mark.parametrize("part", range(4))  # the same 300 lists in 4 parts: the workers share the reference's 8-16 s
+def test_multi_tensor_apply_launches_follow_its_loop(part):
+    for i, (numels, depth) in enumerate(_random_lists()):
+        if i % 4 == part:
+            assert multi_tensor_apply_launches(numels, depth) == _launches_as_the_loop_counts(numels, depth), (numels, depth)
 
 
 # ---- the step's start ---------------------------------------------------------------------------------------
