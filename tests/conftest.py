@@ -88,3 +88,31 @@ def scenario_dicts(draw) -> dict:
                 "optimizer": draw(st.sampled_from(["adamw", "sgd"])),
                 "activation_checkpointing": draw(st.sampled_from(["none", "full"]))}
     return scenario_dict(model, nodes=nodes, gpus_per_node=gpn, fsdp=fsdp, training=training)
+
+
+# ---- the order the test workers take the tests in ------------------------------------------------------------
+# `-n auto` runs the suite on every core; its wall is the busiest worker's. The torch referee's cases (FSDP2 and
+# FSDP1 under FSDPMemTracker, the eager referee, Inductor compiling a block: 4-20 s each, about half of the
+# suite's CPU) go first and the many sub-second tests after, so the workers end together on short tests rather
+# than one finishing a 20 s case while the other waits (measured in --durations, 2026-12-04).
+HEAVY_MODULES = frozenset({
+    "test_compiled_block", "test_eager_referee", "test_eager_generations", "test_referee", "test_referee_fsdp1",
+    "test_referee_fsdp1_lora", "test_referee_harness", "test_selective_ac", "test_lora", "test_loss", "test_tp",
+    "test_tp_plans", "test_frozen", "test_optimizers", "test_fsdp2_torch_semantics", "test_sweep_rows", "test_dask",
+})
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The heavy modules' and the slow-marked tests first (a stable sort: each keeps its order)."""
+    items.sort(key=lambda item: not (item.module.__name__.rsplit(".", 1)[-1] in HEAVY_MODULES
+                                     or item.get_closest_marker("slow")))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Work stealing in place of xdist's default `load` (chunks handed out once): a worker that runs out takes
+    half of the other's queue, so the heavy tests first are shared whatever their order in each chunk."""
+    from xdist.scheduler import WorkStealingScheduling
+
+    if config.getoption("dist") == "load":
+        return WorkStealingScheduling(config, log)
+    return None
