@@ -42,8 +42,10 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-import networkx as nx
+if TYPE_CHECKING:  # annotations only: networkx takes ~0.2 s to import, and most steps never build a graph
+    import networkx as nx
 
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.hardware.collectives import ProcessGroup

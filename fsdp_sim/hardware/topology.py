@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import networkx as nx
+if TYPE_CHECKING:  # imported where a graph is built: networkx takes ~0.2 s to import, and most steps build none
+    import networkx as nx
 
 from fsdp_sim.errors import ScenarioError, show
 from fsdp_sim.hardware.fabric import KINDS, LAYOUTS, SCALE_UP_LINKS
@@ -113,6 +115,8 @@ def build_topology(cluster: Cluster, *, topology: str | None = None, spines: int
     nodes, gpn, nics = cluster.nodes, cluster.gpus_per_node, net.nics_per_node
     ring = {kind: fabric.ring.busbw_Bps(kind) for kind in KINDS}
     scale_up_Bps = max(ring.values())
+    import networkx as nx
+
     graph = nx.DiGraph(topology=topology, profile=cluster.gpu.name, scale_up=fabric.scale_up, nodes=nodes,
                        gpus_per_node=gpn, nics_per_node=nics, scale_up_Bps=scale_up_Bps,
                        **{f"{kind}_busbw_Bps": bw for kind, bw in ring.items()})

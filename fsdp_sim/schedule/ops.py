@@ -16,9 +16,10 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import networkx as nx
+if TYPE_CHECKING:  # imported where a graph is built: networkx takes ~0.2 s to import, and most steps build none
+    import networkx as nx
 
 CATEGORIES = ("sharded_params", "unsharded_params", "sharded_grads", "unsharded_grads", "optimizer_states",
               "activations", "temporaries", "all_gather_buffers", "reduce_scatter_buffers", "inputs", "buffers")
@@ -241,6 +242,7 @@ class OpGraph:
 
     def to_networkx(self) -> nx.DiGraph:
         """The DAG with stream-order edges and event edges, for analysis and tests."""
+        import networkx as nx
         g = nx.DiGraph()
         last: dict[str, int] = {}
         for op in self.ops:
