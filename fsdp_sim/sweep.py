@@ -180,9 +180,7 @@ def sweep_points(datas: list[dict], folder: Path, *, jobs: int | None = None, pr
     total = len(datas) if total is None else total
     bar = _bar(total, progress, initial=total - len(datas))
     tick = bar.update if bar is not None else (lambda n: None)
-    keys = [_dispatch_key(data) for data in datas]
-    order = sorted(range(len(datas)), key=keys.__getitem__)  # dispatch_order
-    groups = [keys[i][0] for i in order]
+    order, groups = _dispatch(datas)
     finished = None if done is None else (lambda at, rows: done([order[j] for j in at], rows))
     try:
         if runner is not None:
@@ -210,8 +208,14 @@ def dispatch_order(datas: list[dict]) -> list[int]:
     of the 4,004 distinct (4,034 before: other settings at one token count often allocate alike, and met in
     one chunk then). The rows keep the sweep's order. The chunks end where a setting's points do, where they
     can (executors.py: the setting is the points' group)."""
+    return _dispatch(datas)[0]
+
+
+def _dispatch(datas: list[dict]) -> tuple[list[int], list[str]]:
+    """(`dispatch_order`, each point's group in that order: its settings but its tokens, the chunks' bounds)."""
     keys = [_dispatch_key(data) for data in datas]
-    return sorted(range(len(datas)), key=keys.__getitem__)
+    order = sorted(range(len(datas)), key=keys.__getitem__)
+    return order, [keys[i][0] for i in order]
 
 
 def _dispatch_key(data: dict) -> tuple[str, int]:

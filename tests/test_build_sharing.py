@@ -7,17 +7,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 from conftest import scenario_dicts
 from hypothesis import HealthCheck, given, settings
 
-from fsdp_sim.dtypes import itemsize
 from fsdp_sim.errors import ScenarioError
 from fsdp_sim.scenario import load_scenario, parse_scenario
 from fsdp_sim.schedule import param_dtypes
 from fsdp_sim.workload import checkpointing
-from fsdp_sim.workload.checkpointing import COMPILED_SAC, Checkpoint, compiled_op_policy, op_policy
 
 SCENARIOS = sorted(p for p in (Path(__file__).parents[1] / "scenarios").glob("*.yaml") if not p.name.endswith(".grid.yaml"))
 
@@ -32,18 +31,10 @@ def _shards_alone(scenario) -> None:
 
 
 def _plans_alone(workload, mode: str, every: int) -> dict:
-    """Each checkpointed block's plan made for it alone (what `_plans` did before it shared them)."""
-    if mode == "none":
-        return {}
-    blocks = [m for m in workload.modules if m.is_block]
-    if mode == "selective_layer":
-        blocks = [m for i, m in enumerate(blocks) if (i + 1) % every == 0]
-    blocks = [m for m in blocks if m.records_graph]
-    if mode != "selective_op":
-        return {m.name: Checkpoint(recompute_kernels=m.kernels) for m in blocks}
-    p = itemsize(workload.activation_dtype)
-    compiled = set(workload.meta.get(COMPILED_SAC, ()))
-    return {m.name: compiled_op_policy(m, p) if m.name in compiled else op_policy(m, p) for m in blocks}
+    """Each checkpointed block's plan made for it alone: `_plans` with `_by_kernels` sharing nothing, as
+    `_plans` made them before it shared them."""
+    with patch.object(checkpointing, "_by_kernels", lambda blocks, plan: {m.name: plan(m) for m in blocks}):
+        return checkpointing._plans(workload, mode, every)
 
 
 def _check_plans(workload) -> None:
