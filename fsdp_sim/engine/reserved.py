@@ -31,6 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
+from itertools import repeat
 
 import numpy as np
 
@@ -199,24 +200,45 @@ def step_plan(ops, events: MemoryEvents, persistent, issued: np.ndarray, end: np
     period = float(max(end.max(), issued.max())) if len(end) else 0.0
     lazy = [(b.id, b.nbytes) for b in persistent if b.category == "optimizer_states" and optimizer_from is not None]
     late = {i for i, _ in lazy}
-    plan, pools, pool_of = [], {}, {}  # pools: (stream, bytes) -> (rounded bytes, pool), as buffers repeat their sizes
-    for buf, nbytes, alloc, stream, now, op in zip(events.buffers.tolist(), events.deltas.tolist(),
-                                                   events.allocs.tolist(), events.streams,
-                                                   issued[events.op_ids].tolist(), events.op_ids.tolist()):
-        if alloc:
-            pool = pools.get((stream, nbytes))
-            if pool is None:
-                size = round_size(nbytes)
-                pool = pools[stream, nbytes] = size, pool_key(stream, size)
-            plan.append((buf, nbytes, *pool, now, None))
-            pool_of[buf] = pool[1]
-        else:
-            plan.append((buf, nbytes, 0, pool_of.get(buf), now, ready.get(op)))
+    plan = list(zip(events.buffers.tolist(), events.deltas.tolist(), *_pools(events), issued[events.op_ids].tolist(),
+                    repeat(None) if timeless else [ready.get(op) for op in events.op_ids.tolist()]))
     n = len(plan)
     lazy_at = int(np.searchsorted(events.op_ids, optimizer_from)) if lazy else n  # op ids rise with the events
     return StepPlan(config, [(b.id, b.nbytes) for b in persistent if b.id not in late], lazy, lazy_at,
                     plan[lazy_at][4] if lazy_at < n else period, plan, frozenset(b.id for b in persistent), period,
                     events.deltas)
+
+
+def _pools(events: MemoryEvents) -> tuple[list[int], list]:
+    """Each event's rounded bytes (`round_size`; 0: a free) and pool (`get_pool`; a free's is its request's,
+    None for a buffer the step did not allocate), worked out once per distinct (stream, bytes) of a request:
+    a step's thousands of requests have a few dozen."""
+    allocs, deltas = events.allocs, events.deltas
+    names = list(dict.fromkeys(events.streams))
+    index = {name: k for k, name in enumerate(names)}
+    streams = np.fromiter(map(index.__getitem__, events.streams), dtype=np.int64, count=len(deltas))
+    requests = np.flatnonzero(allocs)
+    # one integer per (bytes, stream): bytes stay far below 2**63 / streams (an exabyte over a few streams)
+    distinct, which = np.unique(deltas[requests] * len(names) + streams[requests], return_inverse=True)
+    sizes, pools = [], [None]  # pools[0]: no pool
+    for combined in distinct.tolist():
+        nbytes, stream = divmod(combined, len(names))
+        size = round_size(nbytes)
+        sizes.append(size)
+        pools.append(pool_key(names[stream], size))
+    size = np.zeros(len(deltas), dtype=np.int64)
+    size[requests] = np.asarray(sizes, dtype=np.int64)[which]
+    pool = np.zeros(len(deltas), dtype=np.intp)
+    pool[requests] = which + 1
+    frees = np.flatnonzero(~allocs)
+    made = np.full(int(events.buffers.max(initial=0)) + 1, -1, dtype=np.intp)  # each buffer's request
+    made[events.buffers[requests]] = requests
+    request = made[events.buffers[frees]]
+    pool[frees] = np.where(request >= 0, pool[request], 0)
+    by_number = np.empty(len(pools), dtype=object)  # filled one by one: numpy would unpack the tuples
+    for k, key in enumerate(pools):
+        by_number[k] = key
+    return size.tolist(), by_number[pool].tolist()
 
 
 def _start(plan: StepPlan, alloc: CachingAllocator) -> dict:
