@@ -300,19 +300,15 @@ class CachingAllocator:
         and free neighbours always merge, so every free block is a gap between the blocks in use. Buffers
         outside `blocks` (the persistent ones) must be the same in both.
 
-        With a `limit` segments go back to the driver and new ones take new addresses, so blocks are
-        named by position: each segment's stream, pool and size in address order, each free block's
-        size, segment (its index) and offset in it, in its pool's order, and each live buffer's block
-        likewise. Best fit reads addresses only through their order, which those give, so two points of
-        one replay with equal layouts and no pending frees (not compared: the caller's) play the rest
-        alike: the persistent blocks, never freed, fill the rest of the segments that hold them, the
-        same segments at the same positions in both."""
+        With a `limit` segments go back to the driver and new ones take new addresses, so two layouts
+        compare by position (placement.py `same_places`), from what is kept here while it is cheap: reserved,
+        the segments (expandable: their sizes too, which change), copies of the pools (an entry's size and
+        address are its block's while the block is free) and each live buffer's block's address and size."""
         if self.limit is not None:
-            index = {seg: i for i, seg in enumerate(self.segments)}
-            return (([(seg.stream, seg.small, seg.size) for seg in self.segments],
-                     {key: [(size, index[b.segment], b.address - b.segment.address) for size, _, b in pool]
-                      for key, pool in self._pools.items() if pool}),
-                    [(index[b.segment], b.address - b.segment.address, b.size) for b in blocks.values()])
+            return ((self.reserved, self.segments[:],
+                     [seg.size for seg in self.segments] if self.config.expandable_segments else None,
+                     {key: pool[:] for key, pool in self._pools.items() if pool}),
+                    [(block.address, block.size) for block in blocks.values()])
         return ((self.reserved, self.next_address, len(self.segments),
                  sorted((t - offset, block.address, block.size) for t, _, block in self._waiting)),
                 [(buf, block.address, block.size) for buf, block in blocks.items()])

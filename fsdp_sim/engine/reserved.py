@@ -35,6 +35,7 @@ from functools import partial
 import numpy as np
 
 from fsdp_sim.engine.allocator import AllocatorConfig, CachingAllocator, OutOfMemory, pool_key, round_size
+from fsdp_sim.engine.placement import same_places
 
 MAX_STEPS = 4  # the first step and up to three more; a step that adds nothing ends the replay early
 # A steady step's allocator layout is compared with the previous steady step's at these fractions (1/k) of
@@ -42,8 +43,8 @@ MAX_STEPS = 4  # the first step and up to three more; a step that adds nothing e
 # predecessor after 14-24 % of its events on most points, so it stops there instead of playing the rest
 CHECKPOINTS = (8, 4, 2)
 # The same under a limit (`replay_capped`): on the capped replays of 600 points of each of the mixed-1k and
-# llama3-8b-10k grids, a steady step that repeats the step before does so within 1/64 of its events on
-# most (llama3-405b-1024xh100's at event 33 of 6,130), at 5-35 % on the others
+# llama3-8b-10k grids, a steady step that repeats the steady step before does so within 1/64 of its
+# events on most (llama3-405b-1024xh100's at event 33 of 6,130), at 5-35 % of them on the others
 CAPPED_CHECKPOINTS = (64, 8, 2)
 
 
@@ -235,11 +236,11 @@ def _step(plan: StepPlan, alloc: CachingAllocator, kept: dict, step: int, record
     before and after each event. Returns that record, with `mark` the step's layouts at the `checkpoints`
     (CHECKPOINTS unless given; each with the allocator's retries so far), and whether it stopped early:
     with `before` (the previous steady step's layouts), at the first checkpoint where the layout is the
-    same, since from there the step replays the one before, so it adds nothing and ends as it began (the
-    record is constant from there). The persistent buffers are never freed in a step: they stay out of
-    the step's `blocks`, so a layout compares what the step changes. The pools `fixed` (`_replay`'s) are
-    left out of the layouts' comparison, and of the step unless it is recorded: replayed or not, they are
-    where they were in the step before."""
+    same (`_same`), since from there the step replays the one before, so it adds nothing and ends as it
+    began (the record is constant from there). The persistent buffers are never freed in a step: they
+    stay out of the step's `blocks`, so a layout compares what the step changes. The pools `fixed`
+    (`_replay`'s) are left out of the layouts' comparison, and of the step unless it is recorded:
+    replayed or not, they are where they were in the step before."""
     offset = step * plan.period
     reserved = [alloc.reserved] if record else None
     events, n = plan.events, len(plan.events)
@@ -280,7 +281,10 @@ def _outside(events: list, fixed: frozenset) -> list:
 
 def _same(before: tuple, layout: tuple, fixed: frozenset, alloc: CachingAllocator) -> bool:
     """Whether two layouts of `alloc` (`CachingAllocator.layout`) are the same outside the pools `fixed`
-    (the segment a block lies in says its pool)."""
+    (the segment a block lies in says its pool); under a limit, whether they place everything alike
+    (placement.py `same_places`: `fixed` is empty there, as nothing is left out)."""
+    if alloc.limit is not None:
+        return same_places(before, layout)
     if before[0] != layout[0]:
         return False
     if not fixed:
@@ -437,16 +441,16 @@ def replay_capped(plan: StepPlan, limit: int, restart: Restart | None = None) ->
     They would play alike (a request that never passes the limit never meets it), and none of them
     repeated its start (a step that adds no segment ends the unconstrained replay).
 
-    A steady step whose layout at a checkpoint (CAPPED_CHECKPOINTS; `CachingAllocator.layout` under a
-    limit: positions, not addresses) is the steady step before's at the same event stops there (`_step`):
-    its rest replays that step's, so it runs out of memory nowhere, retries as often as that step did from
-    there, reserves no value that step did not reach (the peak is a maximum of them), and ends as that
-    step ended, which ends the replay after it (or MAX_STEPS does). Only where no free waits for a
-    recorded stream: a layout leaves pending frees out, and the same times shifted by another step's
-    offset may round differently against the requests'."""
+    A steady step whose layout at a checkpoint (CAPPED_CHECKPOINTS) places everything as the steady step
+    before did at the same event (placement.py `same_places`) stops there (`_step`): its rest replays that
+    step's, so it runs out of memory nowhere, retries as often as that step did from there, reserves no
+    value that step did not reach (the peak is a maximum of them), and ends as that step ended, which
+    ends the replay after it (or MAX_STEPS does). Only where no free waits for a recorded stream: a
+    layout leaves pending frees out, and the same times shifted by another step's offset may round
+    differently against the requests'."""
     alloc = CachingAllocator(plan.config, limit=limit)
     steps, retries, seen = 0, 0, None
-    early = not any(e[5] is not None for e in plan.events)
+    early = restart is not None or not any(e[5] is not None for e in plan.events)  # a restart is made only then
     marks, ended, rest = None, 0, 0  # the steady step before's layouts and retries at its end; retries not played
     try:
         known = [k for k, start in enumerate(restart.starts) if k and start[0] <= limit] if restart else []
