@@ -298,7 +298,17 @@ class CachingAllocator:
         one event sequence with equal layouts play the rest of it alike: with no limit no segment is returned, so
         the same count is the same segments, each as large (reserved is their sum, and none shrinks),
         and free neighbours always merge, so every free block is a gap between the blocks in use. Buffers
-        outside `blocks` (the persistent ones) must be the same in both."""
+        outside `blocks` (the persistent ones) must be the same in both.
+
+        With a `limit` segments go back to the driver and new ones take new addresses, so two layouts
+        compare by position (placement.py `same_places`), from what is kept here while it is cheap: reserved,
+        the segments (expandable: their sizes too, which change), copies of the pools (an entry's size and
+        address are its block's while the block is free) and each live buffer's block's address and size."""
+        if self.limit is not None:
+            return ((self.reserved, self.segments[:],
+                     [seg.size for seg in self.segments] if self.config.expandable_segments else None,
+                     {key: pool[:] for key, pool in self._pools.items() if pool}),
+                    [(block.address, block.size) for block in blocks.values()])
         return ((self.reserved, self.next_address, len(self.segments),
                  sorted((t - offset, block.address, block.size) for t, _, block in self._waiting)),
                 [(buf, block.address, block.size) for buf, block in blocks.items()])

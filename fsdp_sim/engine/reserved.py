@@ -36,12 +36,17 @@ from itertools import repeat
 import numpy as np
 
 from fsdp_sim.engine.allocator import AllocatorConfig, CachingAllocator, OutOfMemory, pool_key, round_size
+from fsdp_sim.engine.placement import same_places
 
 MAX_STEPS = 4  # the first step and up to three more; a step that adds nothing ends the replay early
 # A steady step's allocator layout is compared with the previous steady step's at these fractions (1/k) of
 # its events: on the 10,000-point llama3-8b grid the step that confirms the steady state matches its
 # predecessor after 14-24 % of its events on most points, so it stops there instead of playing the rest
 CHECKPOINTS = (8, 4, 2)
+# The same under a limit (`replay_capped`): on the capped replays of 600 points of each of the mixed-1k and
+# llama3-8b-10k grids, a steady step that repeats the steady step before does so within 1/64 of its
+# events on most (llama3-405b-1024xh100's at event 33 of 6,130), at 5-35 % of them on the others
+CAPPED_CHECKPOINTS = (64, 8, 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,15 +252,17 @@ def _start(plan: StepPlan, alloc: CachingAllocator) -> dict:
 
 
 def _step(plan: StepPlan, alloc: CachingAllocator, kept: dict, step: int, record: bool, *, mark: bool = False,
-          before: dict | None = None, fixed: frozenset = frozenset()) -> tuple[list[int] | None, dict, bool]:
+          before: dict | None = None, fixed: frozenset = frozenset(),
+          checkpoints: tuple | None = None) -> tuple[list[int] | None, dict, bool]:
     """Play step `step` (the first creates the optimizer states, into `kept`); with `record`, reserved
-    before and after each event. Returns that record, with `mark` the step's layouts at the CHECKPOINTS,
-    and whether it stopped early: with `before` (the previous steady step's layouts), at the first
-    checkpoint where the layout is the same, since from there the step replays the one before, so it
-    adds nothing and ends as it began (the record is constant from there). The persistent buffers are
-    never freed in a step: they stay out of the step's `blocks`, so a layout compares what the step
-    changes. The pools `fixed` (`_replay`'s) are left out of the layouts' comparison, and of the
-    step unless it is recorded: replayed or not, they are where they were in the step before."""
+    before and after each event. Returns that record, with `mark` the step's layouts at the `checkpoints`
+    (CHECKPOINTS unless given; each with the allocator's retries so far), and whether it stopped early:
+    with `before` (the previous steady step's layouts), at the first checkpoint where the layout is the
+    same (`_same`), since from there the step replays the one before, so it adds nothing and ends as it
+    began (the record is constant from there). The persistent buffers are never freed in a step: they
+    stay out of the step's `blocks`, so a layout compares what the step changes. The pools `fixed`
+    (`_replay`'s) are left out of the layouts' comparison, and of the step unless it is recorded:
+    replayed or not, they are where they were in the step before."""
     offset = step * plan.period
     reserved = [alloc.reserved] if record else None
     events, n = plan.events, len(plan.events)
@@ -263,7 +270,7 @@ def _step(plan: StepPlan, alloc: CachingAllocator, kept: dict, step: int, record
     if first:  # where the optimizer states are created
         cuts = [plan.lazy_at] if plan.lazy else []
     elif mark or before is not None:  # where layouts are taken
-        cuts = sorted({n // k for k in CHECKPOINTS} - {0, n})
+        cuts = sorted({n // k for k in (CHECKPOINTS if checkpoints is None else checkpoints)} - {0, n})
     else:
         cuts = []
     blocks: dict = {}
@@ -277,8 +284,9 @@ def _step(plan: StepPlan, alloc: CachingAllocator, kept: dict, step: int, record
             for i, nbytes in plan.lazy:
                 kept[i] = alloc.malloc(nbytes, "compute", plan.lazy_now)
             continue
-        marks[cut] = layout = alloc.layout(blocks, offset)
-        if before is not None and cut in before and _same(before[cut], layout, fixed, alloc):
+        layout = alloc.layout(blocks, offset)
+        marks[cut] = layout, alloc.retries
+        if before is not None and cut in before and _same(before[cut][0], layout, fixed, alloc):
             if reserved is not None:
                 reserved.extend([alloc.reserved] * (n - cut))
             return reserved, marks, True
@@ -295,7 +303,10 @@ def _outside(events: list, fixed: frozenset) -> list:
 
 def _same(before: tuple, layout: tuple, fixed: frozenset, alloc: CachingAllocator) -> bool:
     """Whether two layouts of `alloc` (`CachingAllocator.layout`) are the same outside the pools `fixed`
-    (the segment a block lies in says its pool)."""
+    (the segment a block lies in says its pool); under a limit, whether they place everything alike
+    (placement.py `same_places`: `fixed` is empty there, as nothing is left out)."""
+    if alloc.limit is not None:
+        return same_places(before, layout)
     if before[0] != layout[0]:
         return False
     if not fixed:
@@ -450,9 +461,19 @@ def replay_capped(plan: StepPlan, limit: int, restart: Restart | None = None) ->
     With `restart` (the unconstrained replay's), the steps that reserved no more than `limit` there are
     not played again: the first step that starts within it and is not the first begins from its state.
     They would play alike (a request that never passes the limit never meets it), and none of them
-    repeated its start (a step that adds no segment ends the unconstrained replay)."""
+    repeated its start (a step that adds no segment ends the unconstrained replay).
+
+    A steady step whose layout at a checkpoint (CAPPED_CHECKPOINTS) places everything as the steady step
+    before did at the same event (placement.py `same_places`) stops there (`_step`): its rest replays that
+    step's, so it runs out of memory nowhere, retries as often as that step did from there, reserves no
+    value that step did not reach (the peak is a maximum of them), and ends as that step ended, which
+    ends the replay after it (or MAX_STEPS does). Only where no free waits for a recorded stream: a
+    layout leaves pending frees out, and the same times shifted by another step's offset may round
+    differently against the requests'."""
     alloc = CachingAllocator(plan.config, limit=limit)
     steps, retries, seen = 0, 0, None
+    early = restart is not None or not any(e[5] is not None for e in plan.events)  # a restart is made only then
+    marks, ended, rest = None, 0, 0  # the steady step before's layouts and retries at its end; retries not played
     try:
         known = [k for k, start in enumerate(restart.starts) if k and start[0] <= limit] if restart else []
         if known:  # reserved only grows: the last such step
@@ -464,15 +485,22 @@ def replay_capped(plan: StepPlan, limit: int, restart: Restart | None = None) ->
             kept = _start(plan, alloc)
         while steps < MAX_STEPS:
             retries = alloc.retries
-            _step(plan, alloc, kept, steps, False)
+            checked = early and steps > 0  # a steady step: its layouts compare with the next one's
+            _, layouts, repeats = _step(plan, alloc, kept, steps, False, mark=checked and steps < MAX_STEPS - 1,
+                                        before=marks, checkpoints=CAPPED_CHECKPOINTS)
             steps += 1
+            if repeats:  # from the last layout on, the step before's retries
+                rest = ended - marks[next(reversed(layouts))][1]
+                break
             alloc.synchronize()
             state = alloc.state()  # the first step's start (no optimizer states) is never compared
             if state == seen:
                 break
             seen = state
+            if checked:
+                marks, ended = layouts, alloc.retries
     except OutOfMemory:
         return CappedReplay(limit, True, alloc.peak, alloc.retries - retries, alloc.retries, steps)
     finally:
         alloc.close()
-    return CappedReplay(limit, False, alloc.peak, alloc.retries - retries, alloc.retries, steps)
+    return CappedReplay(limit, False, alloc.peak, alloc.retries - retries + rest, alloc.retries + rest, steps)
