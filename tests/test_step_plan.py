@@ -1,4 +1,4 @@
-"""The step plan's events (engine/reserved.py `step_plan`): each request rounded (`round_size`) and pooled
+"""The step plan's events (engine/step_plan.py): each request rounded (`round_size`) and pooled
 (`get_pool`) as the allocator would, each free in its request's pool, worked out per distinct (stream,
 bytes) over arrays; checked event by event against the allocator's own rules on random ledgers."""
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fsdp_sim.engine.allocator import AllocatorConfig, pool_key, round_size
-from fsdp_sim.engine.reserved import MemoryEvents, step_plan
+from fsdp_sim.engine.step_plan import MemoryEvents, step_plan
 
 MiB = 1 << 20
 nbytes = st.one_of(st.integers(0, 2 * MiB), st.integers(0, 48 * MiB), st.sampled_from([0, 511, 512, 513, MiB, MiB + 1]))

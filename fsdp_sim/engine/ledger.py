@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from fsdp_sim.engine.allocator import AllocatorConfig
-from fsdp_sim.engine.reserved import MemoryEvents, ReservedModel, optimizer_start, replay_allocator
+from fsdp_sim.engine.reserved import ReservedModel, replay_allocator
+from fsdp_sim.engine.step_plan import MemoryEvents, optimizer_start
 from fsdp_sim.schedule.ops import CATEGORIES, Buffer, Op, OpGraph
 
 _CAT_INDEX = {c: i for i, c in enumerate(CATEGORIES)}
