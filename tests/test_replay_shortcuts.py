@@ -57,7 +57,8 @@ def _plan(step: dict, regrow: bool = False, waits: tuple = ()) -> reserved.StepP
     lazy = [(50 + i, n) for i, n in enumerate([64 * MiB] * regrow + step["lazy"])]
     lazy_at = len(events) if regrow else int(step["lazy_at"] * len(events))
     return reserved.StepPlan(step["config"], persistent, lazy, lazy_at, float(lazy_at), events,
-                             frozenset(i for i, _ in persistent + lazy), float(len(events)), np.array(deltas, dtype=np.int64))
+                             frozenset(i for i, _ in persistent + lazy), float(len(events)), np.array(deltas, dtype=np.int64),
+                             any(e[5] is not None for e in events))
 
 
 @settings(max_examples=300, deadline=None)

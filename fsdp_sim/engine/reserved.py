@@ -301,7 +301,7 @@ def _replay(plan: StepPlan) -> ReservedModel:
     """`replay_allocator`'s steps on `plan`."""
     alloc = CachingAllocator(plan.config)
     kept = _start(plan, alloc)
-    early = not any(e[5] is not None for e in plan.events)  # no free waits for a recorded stream
+    early = not plan.waits
     steps, before, first_reserved, timeline, marks, releasable, converged = 0, -1, 0, None, None, None, False
     starts, held, fixed = [], None, frozenset()
     while steps < MAX_STEPS and alloc.reserved != before:
@@ -375,7 +375,7 @@ def replay_capped(plan: StepPlan, limit: int, restart: Restart | None = None) ->
     differently against the requests'."""
     alloc = CachingAllocator(plan.config, limit=limit)
     steps, retries, seen = 0, 0, None
-    early = restart is not None or not any(e[5] is not None for e in plan.events)  # a restart is made only then
+    early = not plan.waits
     marks, ended, rest = None, 0, 0  # the steady step before's layouts and retries at its end; retries not played
     try:
         known = [k for k, start in enumerate(restart.starts) if k and start[0] <= limit] if restart else []

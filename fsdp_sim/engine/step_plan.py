@@ -40,6 +40,7 @@ class StepPlan:
     kept: frozenset[int]  # the persistent buffers: alive across steps
     period: float  # one step's time
     deltas: np.ndarray  # each event's signed bytes (the ledger's column)
+    waits: bool  # some free waits for a recorded stream (an event's `ready` is set): time then moves the replay
 
 
 def _ready_times(ops, end: np.ndarray, issued: np.ndarray) -> dict[int, float]:
@@ -70,12 +71,12 @@ def step_plan(ops, events: MemoryEvents, persistent, issued: np.ndarray, end: np
     lazy = [(b.id, b.nbytes) for b in persistent if b.category == "optimizer_states" and optimizer_from is not None]
     late = {i for i, _ in lazy}
     plan = list(zip(events.buffers.tolist(), events.deltas.tolist(), *_pools(events), issued[events.op_ids].tolist(),
-                    repeat(None) if timeless else [ready.get(op) for op in events.op_ids.tolist()]))
+                    [ready.get(op) for op in events.op_ids.tolist()] if ready else repeat(None)))
     n = len(plan)
     lazy_at = int(np.searchsorted(events.op_ids, optimizer_from)) if lazy else n  # op ids rise with the events
     return StepPlan(config, [(b.id, b.nbytes) for b in persistent if b.id not in late], lazy, lazy_at,
                     plan[lazy_at][4] if lazy_at < n else period, plan, frozenset(b.id for b in persistent), period,
-                    events.deltas)
+                    events.deltas, bool(ready))
 
 
 def _pools(events: MemoryEvents) -> tuple[list[int], list]:
