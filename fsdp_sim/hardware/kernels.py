@@ -84,6 +84,21 @@ def _table_points() -> tuple[tuple[float, float, float, float], ...]:
                  for m, n, k, tflops, _ in kd.H100_GEMM_TABLE)
 
 
+def _weighted_corrections(m: int, n: int, k: int) -> tuple[float, float]:
+    """The measured shapes' corrections summed with their inverse-distance weights at (m, n, k), and the
+    weights' sum: (the correction, 1.0) at a measured shape. Returned apart, as `gemm_shape_factor` divides
+    the product of its physical term and the first by the second."""
+    x0, x1, x2 = math.log2(max(m, 1)), math.log2(max(n, 1)), math.log2(max(k, 1))
+    num = den = 0.0
+    for l0, l1, l2, ratio in _table_points():
+        dist2 = (x0 - l0) ** 2 + (x1 - l1) ** 2 + (x2 - l2) ** 2
+        if dist2 < 1e-12:
+            return ratio, 1.0
+        w = 1.0 / dist2 ** 2  # Shepard's inverse-distance weights, power 4 (a choice, not fitted: the nearest shapes dominate)
+        num, den = num + w * ratio, den + w
+    return num, den
+
+
 @cache
 def gemm_shape_factor(m: int, n: int, k: int, sms: int, itemsize: int) -> float:
     """Throughput of an (m, n, k) GEMM relative to the best shape of XLA's H100 table, in (0, 1].
@@ -93,15 +108,7 @@ def gemm_shape_factor(m: int, n: int, k: int, sms: int, itemsize: int) -> float:
     structure of the physical term. The bf16 column serves every dtype: the TF32 column's shape dependence
     is noisier (4096^3 above every larger shape) and its level is carried by `TF32_EFFICIENCY` instead.
     """
-    x0, x1, x2 = math.log2(max(m, 1)), math.log2(max(n, 1)), math.log2(max(k, 1))
-    num = den = 0.0
-    for l0, l1, l2, ratio in _table_points():
-        dist2 = (x0 - l0) ** 2 + (x1 - l1) ** 2 + (x2 - l2) ** 2
-        if dist2 < 1e-12:
-            num, den = ratio, 1.0
-            break
-        w = 1.0 / dist2 ** 2  # Shepard's inverse-distance weights, power 4 (a choice, not fitted: the nearest shapes dominate)
-        num, den = num + w * ratio, den + w
+    num, den = _weighted_corrections(m, n, k)
     factor = _physical(m, n, k, sms) * num / den
     align = kd.ALIGN_BYTES // itemsize
     if n % align or k % align:
