@@ -9,6 +9,7 @@ budget - required) or "clean error" (exit 2, one line of at most 300 characters 
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import random
 import sys
@@ -25,7 +26,9 @@ if not hasattr(__import__("os"), "fork"):  # pragma: no cover - the runner forks
 _SPEC = importlib.util.spec_from_file_location("fsdp_fuzz", Path(__file__).parents[1] / "benchmarks" / "fuzz.py")
 fuzz = importlib.util.module_from_spec(_SPEC)
 sys.modules["fsdp_fuzz"] = fuzz
-_SPEC.loader.exec_module(fuzz)
+_SPEC.loader.exec_module(fuzz)  # puts benchmarks/ on the path: its cases' modules import after it
+import fuzz_cases  # noqa: E402
+import fuzz_values  # noqa: E402
 
 
 def _outcome(case, tmp_path: Path) -> tuple[str, str, list[str]]:
@@ -37,22 +40,22 @@ def _outcome(case, tmp_path: Path) -> tuple[str, str, list[str]]:
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(min_value=0, max_value=2**32 - 1))
 def test_no_input_breaks_the_cli(seed, tmp_path_factory):
-    case = fuzz.make_case(random.Random(seed))
+    case = fuzz_cases.make_case(random.Random(seed))
     outcome, detail, argv = _outcome(case, tmp_path_factory.mktemp("fuzz"))
     assert outcome in fuzz.GOOD, f"{outcome}: {'; '.join(case.notes)[:300]}\n{argv}\n{detail}"
 
 
-@pytest.mark.parametrize("mutation", [m.__name__ for m, _ in fuzz.MUTATIONS])
+@pytest.mark.parametrize("mutation", [m.__name__ for m, _ in fuzz_cases.MUTATIONS])
 def test_each_kind_of_mutation(mutation, tmp_path):
     """A few cases of every mutation alone, so each kind of input is covered whatever hypothesis draws."""
-    fn = getattr(fuzz, mutation)
+    fn = {m.__name__: m for m, _ in fuzz_cases.MUTATIONS}[mutation]
     for seed in range(4):
         rng = random.Random(seed)
-        case = fuzz.Case(fuzz.copy.deepcopy(fuzz.TINY if seed % 2 else fuzz.TRACED))
+        case = fuzz_cases.Case(copy.deepcopy(fuzz_values.TINY if seed % 2 else fuzz_values.TRACED))
         fn(rng, case)
         if isinstance(case.data, dict) and isinstance(case.data.get("compute"), dict) \
                 and "trace.json" not in case.files:
-            case.files["trace.json"] = fuzz.TRACE_FIXTURE.read_bytes()
+            case.files["trace.json"] = fuzz_values.TRACE_FIXTURE.read_bytes()
         outcome, detail, argv = _outcome(case, tmp_path / str(seed))
         assert outcome in fuzz.GOOD, f"{outcome}: {'; '.join(case.notes)[:300]}\n{argv}\n{detail}"
 
@@ -69,7 +72,7 @@ def test_each_kind_of_mutation(mutation, tmp_path):
 ])
 def test_named_inputs(text, tmp_path):
     """Inputs the issue names: a tag that would run code, an alias bomb, deep nesting, an empty file, 1e300."""
-    case = fuzz.Case({}, text=text)
+    case = fuzz_cases.Case({}, text=text)
     outcome, detail, _ = _outcome(case, tmp_path)
     assert outcome == "clean error", (outcome, detail)
     assert not (tmp_path / "PWNED").exists()
