@@ -407,7 +407,8 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
                          norm_impl=rms_norm_kernel(options.torch_version))
     loss = get_key("training", training, "loss", str, "torch", choices=LOSSES)
     workload = apply_loss(workload, loss, batch=micro_batch, seq=seq_len)  # workload/loss.py
-    workload = adapt_workload(workload, adaptation) if adaptation else workload
+    if adaptation:  # a sweep's points of one model, batch and sequence share the workload: adapt it once (read-only)
+        workload = derived(workload, ("adapted", repr(adaptation)), lambda: adapt_workload(workload, adaptation))
     if options.torch_compile:  # Inductor's kernels and saved set, or why not (workload/compiled_block.py)
         workload = compiled_workload(workload, tp.size, checkpoint=ac, adapted=bool(adaptation),
                                      torch_version=options.torch_version, fsdp2=version == 2)

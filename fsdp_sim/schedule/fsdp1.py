@@ -434,7 +434,9 @@ def _flats_and_view(workload: Workload, units: list[Unit], s: FSDPSettings) -> t
     flats = flat_params(units, s)
     requires_grad = autograd_requires_grad(units, flats, s) if s.use_orig_params else None
     trained = frozenset(p.name for p in workload.params if p.trainable)
-    return flats, autograd_view(workload, requires_grad) if requires_grad and requires_grad != trained else workload
+    if not requires_grad or requires_grad == trained:
+        return flats, workload
+    return flats, derived(workload, ("autograd view", requires_grad), lambda: autograd_view(workload, requires_grad))
 
 
 def build_fsdp1_step(workload: Workload, units: list[Unit], settings: FSDPSettings) -> OpGraph:

@@ -34,7 +34,7 @@ from fsdp_sim.schedule.optimizers import state_bytes
 from fsdp_sim.schedule.param_dtypes import casts, stored_itemsize
 from fsdp_sim.schedule.settings import FSDPSettings
 from fsdp_sim.workload.lora import peft_input_casts
-from fsdp_sim.workload.model import Module, Param, Workload
+from fsdp_sim.workload.model import Module, Param, Workload, derived
 from fsdp_sim.wrap import Unit
 
 # the fsdp: keys that still mean something without FSDP: the autocast dtype (MixedPrecisionPolicy's
@@ -99,7 +99,9 @@ class PlainRuntime(AutogradStep):
         if self.autocast:
             widened = fp32_residual_stream(self.wl, s)
             if widened is self.wl and s.storage_bytes != s.param_bytes:  # activations in the compute dtype
-                widened = peft_input_casts(widened, s.storage_bytes)  # fp32 adapters cast their input
+                # fp32 adapters cast their input; once per workload (a sweep's points share it, read-only)
+                widened = derived(widened, ("peft input casts", s.storage_bytes),
+                                  lambda: peft_input_casts(self.wl, s.storage_bytes))
             self.wl = widened
         self.grads: dict[str, Buffer] = {}  # .grad, by parameter, kept across micro-batches
         self.casts: dict[str, tuple[Buffer, ...]] = {}  # autocast's copies saved for backward, by module

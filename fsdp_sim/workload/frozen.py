@@ -62,7 +62,7 @@ def freeze_where(wl: Workload, is_frozen, dtype: str, reads_input: frozenset[str
     def frozen(p: Param) -> Param:
         if not is_frozen(p):
             return p
-        return replace(p, trainable=False, dtype=dtype if p.dtype in FROZEN_DTYPES else p.dtype)
+        return Param(p.name, p.shape, dtype if p.dtype in FROZEN_DTYPES else p.dtype, False)  # every field: no replace()
 
     modules = tuple(replace(m, params=tuple(frozen(p) for p in m.params)) for m in wl.modules)
     before = wl.meta.get(UNFROZEN)
@@ -94,9 +94,11 @@ def without_frozen_gradients(wl: Workload, reads_input: frozenset[str] = frozens
         if all(trainable[n] for n in names) and input_grad:
             modules.append(m)
             continue
-        needs_dw = {k.name: _weight_trainable(k.name, names, trainable)
+        weights = weight_index(names)
+        needs_dw = {k.name: _weight_trainable(k.name, names, weights, trainable)
                     for k in m.kernels if k.kind in ("gemm", "norm_unfused")}
-        kernels = tuple(replace(k, weight_grad=needs_dw[k.name]) if k.kind == "gemm" else k for k in m.kernels)
+        kernels = tuple(replace(k, weight_grad=needs_dw[k.name]) if k.kind == "gemm" and k.weight_grad != needs_dw[k.name]
+                        else k for k in m.kernels)
         dropped = sum(_norm_unkept(k, needs_dw[k.name], p_act, wl.meta["norm_impl"])
                       for k in kernels if k.kind == "norm_unfused" and unfused)
         saves_input = m.saves_input
@@ -191,17 +193,33 @@ def _fused_norm_stats(names: list[str], kernel: str) -> int:
     return NORM_STAT_TENSORS["layernorm" if any(n.endswith(".bias") for n in _layer_params(kernel, names)) else "rmsnorm"]
 
 
-def _weight_trainable(kernel: str, names: list[str], trainable: dict[str, bool]) -> bool:
+def _weight_trainable(kernel: str, names: list[str], weights: dict[str, list[str]], trainable: dict[str, bool]) -> bool:
     """Whether the layer a kernel runs has a trainable weight (`<...>.<kernel>.weight`, or the module's only
-    parameter for a one-Linear module such as the head); unknown weights count as trainable."""
-    weights = linear_weights(kernel, names) or (names if len(names) == 1 else [])
+    parameter for a one-Linear module such as the head); unknown weights count as trainable. `weights`:
+    `weight_index(names)`."""
+    weights = linear_weights(kernel, weights) or (names if len(names) == 1 else [])
     return any(trainable[n] for n in weights) if weights else True
 
 
-def linear_weights(kernel: str, names: list[str]) -> list[str]:
-    """The weight a kernel's layer owns: `<...>.<layer>.weight` (`_layer`)."""
+def weight_index(names: list[str]) -> dict[str, list[str]]:
+    """The weights among `names` (`<...>.<layer>.weight`) by the last name of their layer (`wq`), in `names`'
+    order: made once per module, so that finding a kernel's weight (`linear_weights`) looks at the few that
+    end alike instead of at every name of the module for every kernel."""
+    index: dict[str, list[str]] = {}
+    for n in names:
+        if n.endswith(".weight"):
+            index.setdefault(n[:-len(".weight")].rsplit(".", 1)[-1], []).append(n)
+    return index
+
+
+def linear_weights(kernel: str, weights: dict[str, list[str]]) -> list[str]:
+    """The weight a kernel's layer owns: `<...>.<layer>.weight` (`_layer`; a layer may be dotted, as
+    `fsdp-sim trace` names it: `attention.wq`), among `weight_index`'s."""
     layer = _layer(kernel)
-    return [n for n in names if n == f"{layer}.weight" or n.endswith(f".{layer}.weight")]
+    alike = weights.get(layer.rsplit(".", 1)[-1], [])
+    if "." not in layer:
+        return alike
+    return [n for n in alike if n == f"{layer}.weight" or n.endswith(f".{layer}.weight")]
 
 
 def _unkept_inputs(m: Module, needs_dw: dict[str, bool], reads_input: frozenset[str], p: int) -> tuple[frozenset[str], int]:

@@ -39,7 +39,8 @@ from fsdp_sim.datafile import get_key, reject_unknown_keys
 from fsdp_sim.dtypes import itemsize
 from fsdp_sim.errors import ScenarioError, show
 from fsdp_sim.workload.frozen import (LORA_A, LORA_B, LORA_DROPOUT, LORA_SCALE_ADD, QUANT_STATE_SUFFIX, UNFROZEN,
-                                      built_from, freeze_where, linear_weights, unkept_inputs)
+                                      built_from, freeze_where, linear_weights, unkept_inputs,
+                                      weight_index)
 from fsdp_sim.workload.kernels import elementwise, gemm
 from fsdp_sim.workload.model import Kernel, Module, Param, Workload
 from fsdp_sim.workload.transformer import BLOCK_RECIPE, recipe_activations, unsaved_references
@@ -138,9 +139,10 @@ def autograd_view(wl: Workload, requires_grad: frozenset[str], reads_input: froz
 def _linears(m: Module) -> dict[str, tuple[Kernel, Param]]:
     """The block's Linears by their layer's last name (`wq`): each gemm kernel with the 2-D weight it runs."""
     params = {q.name: q for q in m.params if len(q.shape) == 2 and ".lora_" not in q.name}
+    index = weight_index(list(params))
     out = {}
     for k in m.kernels:
-        weights = linear_weights(k.name, list(params)) if k.kind == "gemm" else []
+        weights = linear_weights(k.name, index) if k.kind == "gemm" else []
         if len(weights) == 1:
             out[weights[0][:-len(".weight")].rsplit(".", 1)[-1]] = (k, params[weights[0]])
     return out

@@ -1,0 +1,85 @@
+"""LoRA, QLoRA and frozen workloads made once per workload and shared by a sweep's points: the weight a kernel's
+layer owns found through a per-module index, and the adapted workload (`model.lora` / `model.frozen`), plain
+training's input casts and FSDP1's autograd view remembered per workload (`workload.model.derived`). Each must
+be what working it out afresh gives."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from fsdp_sim.scenario import parse_scenario
+from fsdp_sim.simulate import simulate
+from fsdp_sim.workload import model
+from fsdp_sim.workload.frozen import linear_weights, weight_index
+
+PART = st.sampled_from(["layers", "0", "1", "attention", "wq", "wk", "mlp", "w1", "lora_A", "lora_B", "x", ""])
+NAME = st.lists(PART, min_size=1, max_size=5).map(".".join).flatmap(
+    lambda stem: st.sampled_from([stem + ".weight", stem + ".bias", stem, stem + ".weight.absmax"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(names=st.lists(NAME, max_size=12), layer=st.lists(PART, min_size=1, max_size=3).map(".".join),
+       op=st.sampled_from(["", ": mm", " : addmm"]))
+def test_a_kernels_weight_is_its_layers_weight_by_name(names, layer, op):
+    """`<...>.<layer>.weight`, the layer being the kernel's name before any `:` (dotted as `fsdp-sim trace`
+    names one), in the module's order: the definition, checked name by name."""
+    expected = [n for n in names if n == f"{layer}.weight" or n.endswith(f".{layer}.weight")]
+    assert linear_weights(layer + op, weight_index(names)) == expected
+
+
+LORA = {"rank": 8, "alpha": 16, "targets": ["q_proj", "v_proj"], "dropout": 0.05}
+QLORA = {"rank": 16, "alpha": 16, "targets": "all-linear", "quantize": "nf4"}
+TINY = {"hidden": 64, "layers": 3, "heads": 4, "kv_heads": 2, "ffn_hidden": 176, "vocab": 1000}
+
+
+def _data(model_keys: dict, fsdp: dict, gpus: int = 4) -> dict:
+    return {"model": TINY | model_keys, "training": {"micro_batch": 2, "seq_len": 64},
+            "hardware": {"profile": "h100-sxm", "gpus_per_node": gpus}, "fsdp": fsdp}
+
+
+CASES = {
+    "fsdp2 lora": _data({"lora": LORA}, {}),
+    "fsdp2 qlora": _data({"lora": QLORA}, {}),
+    "fsdp2 frozen": _data({"frozen": ["tok_embeddings", "layers.0"]}, {}),
+    "fsdp1 lora, use_orig_params": _data({"lora": LORA, "frozen_dtype": "fp32"}, {"version": 1, "use_orig_params": True}),
+    "fsdp1 qlora, bf16 storage, use_orig_params": {
+        **_data({"lora": QLORA | {"quant_storage": "bf16"}, "frozen_dtype": "bf16"}, {"version": 1, "use_orig_params": True}),
+        "training": {"micro_batch": 2, "seq_len": 64, "param_storage_dtype": "bf16"}},
+    "plain qlora, fp32 adapters": {**_data({"lora": QLORA}, {"version": "none"}, gpus=1),
+                                   "training": {"micro_batch": 2, "seq_len": 64, "param_storage_dtype": "fp32"}},
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_remembered_adaptation_is_the_one_worked_out_afresh(case):
+    """The second point of a workload reuses the first's adapted workload (the same object) and gives the
+    same result, figure for figure, as a process that remembers nothing."""
+    data = CASES[case]
+    model._BY_WORKLOAD.clear()
+    first = parse_scenario(copy.deepcopy(data))
+    fresh = simulate(first).to_dict()
+    second = parse_scenario(copy.deepcopy(data))
+    assert second.workload is first.workload
+    assert simulate(second).to_dict() == fresh
+    remembered = {key[0] for _, found in model._BY_WORKLOAD.values() for key in found if isinstance(key, tuple)}
+    assert "adapted" in remembered
+    if "fsdp1" in case:
+        assert "autograd view" in remembered  # a FlatParameter mixes adapters and frozen bases: views get gradients
+    if "plain" in case:
+        assert "peft input casts" in remembered
+    model._BY_WORKLOAD.clear()
+    again = parse_scenario(copy.deepcopy(data))
+    assert again.workload is not first.workload and again.workload == first.workload
+    assert simulate(again).to_dict() == fresh
+
+
+def test_adaptations_of_one_workload_are_kept_apart():
+    """LoRA and QLoRA of the same built workload are two entries: the second is not handed the first's."""
+    model._BY_WORKLOAD.clear()
+    lora = parse_scenario(_data({"lora": LORA}, {})).workload
+    qlora = parse_scenario(_data({"lora": QLORA}, {})).workload
+    assert lora is not qlora and lora != qlora
+    assert any(p.dtype == "uint8" for p in qlora.params) and not any(p.dtype == "uint8" for p in lora.params)
