@@ -52,11 +52,12 @@ def _only_work_differs(a, b, *, sizes: bool) -> bool:
 
 def _after(first, second):
     """`second`'s graph from `build_step` right after `first`'s, and whether it was made from the first's."""
-    build._last.entry = None
+    build._last.entries = {}
     build.build_step(first.workload, first.units, first.settings)
-    template = build._last.entry
+    template = build._last.entries.get(first.settings.grad_accumulation)
     graph = build.build_step(second.workload, second.units, second.settings)
-    return graph, template is not None and graph is not template[1] and build._last.entry is template
+    return graph, (template is not None and graph is not template[1]
+                   and build._last.entries.get(second.settings.grad_accumulation) is template)
 
 
 def _check_pair(first, second) -> bool:
@@ -193,10 +194,10 @@ def test_a_step_simulated_right_after_another_token_count_gives_a_fresh_simulati
                      seq_len=seq) if seq else None
     if other is None:
         pytest.skip("its workload has no sequence to change (a traced workload, a vision model)")
-    build._last.entry = None
+    build._last.entries = {}
     template = simulate(first)
     after = simulate(other)
-    build._last.entry = None
+    build._last.entries = {}
     fresh = simulate(other)
     queues = [r.graph.derived("queues", lambda: None) for r in (template, after, fresh)]
     assert queues[2] is not queues[1] and (queues[1] is queues[0] or path.stem not in REUSED), "derived again"
@@ -217,3 +218,25 @@ def test_what_a_graph_derives_is_shared_by_its_twins_and_derived_again_once_it_g
     assert twin.derived("x", lambda: calls.append(1) or -1) == first == 1 and len(calls) == 1
     g.alloc("compute", "b", "activations", 1 << 20)  # the graph grew: what it derived is out of date
     assert g.derived("x", lambda: calls.append(1) or len(g.ops)) == 2 and len(calls) == 2
+
+
+def test_a_folded_steps_next_point_makes_both_its_graphs_from_the_last_pair():
+    """A step of more than three micro-batches is simulated at two and three (results/folded.py): the next
+    point (one more sequence per micro-batch) makes each of its two graphs from the last point's graph of the
+    same count, where one kept graph would have been the other count's every time, and its figures are a
+    fresh simulation's."""
+    from fsdp_sim.simulate import simulate
+
+    path = SCENARIOS[0].parent / "llama3-8b-8xh200-accumulation-keep-unsharded.yaml"
+    data = read_data(path, "scenario")
+    assert data["training"]["grad_accumulation"] > 3
+    mb = data["training"].get("micro_batch", 1)
+    first, second = (_resized(data, path.parent, micro_batch=mb + k) for k in (0, 1))
+    build._last.entries = {}
+    simulate(first)
+    pair = dict(build._last.entries)
+    assert sorted(pair) == [2, 3]
+    after = simulate(second)
+    assert build._last.entries == pair and all(build._last.entries[k] is pair[k] for k in pair)  # made from them
+    build._last.entries = {}
+    assert after.to_dict() == simulate(second).to_dict()

@@ -61,7 +61,10 @@ _SIZES = tuple(sorted(SIZE_FIELDS))
 _UNREAD = frozenset({"name", "model_flops", "meta", "tokens", "modules", "input_bytes"})
 _WORKLOAD_VIEW = tuple(f.name for f in fields(Workload) if f.name not in _UNREAD)
 
-_last = threading.local()  # this thread's last build: (key, graph); Dask may use threads
+_last = threading.local()  # this thread's last builds, by micro-batch count: {count: (key, graph)}; Dask may use threads
+# a folded step (results/folded.py) builds two graphs per point, of two and three micro-batches: one kept of each,
+# so that the next point's pair is made from this one's instead of each from the other's, which never matches
+MAX_LAST = 2
 
 
 def build_step(workload: Workload, units: list[Unit], settings: FSDPSettings) -> OpGraph:
@@ -71,13 +74,19 @@ def build_step(workload: Workload, units: list[Unit], settings: FSDPSettings) ->
         return build(workload, units, settings)
     fixed = _bytes_read_elsewhere(settings)
     key = (settings, units, _view(workload, fixed), _plans_view(workload, settings, fixed))
-    last = getattr(_last, "entry", None)
+    entries = _last.__dict__.setdefault("entries", {})
+    count = settings.grad_accumulation
+    last = entries.get(count)
     if last is not None and last[0] == key:
         graph = _rebuilt(last, workload, settings, resize=not fixed)
         if graph is not None:
             return graph
     graph = build(workload, units, settings)
-    _last.entry = (key, graph) if graph.compute_sites is not None else None
+    entries.pop(count, None)
+    if graph.compute_sites is not None:
+        if len(entries) >= MAX_LAST:
+            del entries[next(iter(entries))]  # the oldest
+        entries[count] = (key, graph)
     return graph
 
 
