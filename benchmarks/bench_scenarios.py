@@ -30,7 +30,7 @@ from fsdp_sim.scenario import load_scenario
 from fsdp_sim.schedule import build, optimizers, param_dtypes
 from fsdp_sim.simulate import simulate
 from fsdp_sim.sweep import sweep
-from fsdp_sim.workload import model, moe, transformer
+from fsdp_sim.workload import hf_config, model, moe, tensor_parallel, transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,8 @@ def clear_memos() -> None:
     param_dtypes._UNIT_SHARDS.clear()
     for cached in (optimizers._state_bytes, transformer._from_recipe, transformer._gemm_shapes,
                    transformer._shared_block_params, transformer.build_transformer, moe.moe_kernels,
-                   kernels.gemm_shape_factor, profiles.load_profile, variation.expected_max_of_normals):
+                   kernels.gemm_shape_factor, profiles.load_profile, variation.expected_max_of_normals,
+                   hf_config._built, tensor_parallel.build_tp_transformer):
         cached.cache_clear()
 
 

@@ -25,8 +25,10 @@ activations only the vision and CLIP towers' `hidden_act` is read (CLIP's `quick
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
+from functools import lru_cache
 from pathlib import Path
 
 from fsdp_sim.dtypes import itemsize
@@ -144,11 +146,20 @@ def load_hf_config(path: str | Path) -> dict:
 def build_from_hf_config(path: str | Path, *, micro_batch: int, seq_len: int, act_dtype: str,
                          tp: TensorParallel | None = None) -> Workload:
     """The workload of one training step of the model a Hugging Face `config.json` describes; with `tp` (more
-    than one rank) one rank's share of its decoder under `tp.plan`."""
+    than one rank) one rank's share of its decoder under `tp.plan`. Built once per config text and arguments
+    (`_built`), as `build_transformer` is per dimensions: a sweep's points then share the workload and what
+    is derived from it (units, module bytes, the last build's view)."""
     path = Path(path)
     name = path.parent.name if path.stem == "config" else path.stem
-    return build_from_hf_dict(load_hf_config(path), micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype,
-                              name=name, source=path.name, tp=tp)
+    return _built(json.dumps(load_hf_config(path)), micro_batch=micro_batch, seq_len=seq_len, act_dtype=act_dtype,
+                  name=name, source=path.name, tp=tp)
+
+
+@lru_cache(maxsize=256)  # as many as build_transformer keeps; a Workload is frozen
+def _built(config: str, **arguments) -> Workload:
+    """`build_from_hf_dict` of a config read as JSON, remembered by its text (exact: the config is JSON). What
+    the build warns of is said at the first build only, as the CLI says each warning once per process."""
+    return build_from_hf_dict(json.loads(config), **arguments)
 
 
 def build_from_hf_dict(data: dict, *, micro_batch: int, seq_len: int, act_dtype: str, name: str = "hf",

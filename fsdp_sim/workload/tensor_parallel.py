@@ -23,6 +23,7 @@ and the mesh's process-group layout, are the schedule's (`fsdp_sim/schedule/tp.p
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from fsdp_sim.datafile import expect_mapping, get_key, reject_unknown_keys
 from fsdp_sim.dtypes import itemsize
@@ -105,9 +106,10 @@ def _sequence_sharded(kernels: tuple[Kernel, ...], tp: int) -> tuple[Kernel, ...
     return tuple(out)
 
 
+@lru_cache(maxsize=256)  # as build_transformer: a sweep's points then share the workload and what is derived from it
 def build_tp_transformer(d: TransformerDims, tp: TensorParallel, *, micro_batch: int, seq_len: int, act_dtype: str,
                          name: str) -> Workload:
-    """The workload one rank of a TP group runs (see the module docstring)."""
+    """The workload one rank of a TP group runs (see the module docstring); a Workload is frozen."""
     k = tp.size
     _check_divisible(d, k, seq_len, tp.sequence_parallel)
     if tp.plan != "torchtitan":

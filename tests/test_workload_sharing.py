@@ -1,11 +1,14 @@
-"""LoRA, QLoRA and frozen workloads made once per workload and shared by a sweep's points: the weight a kernel's
-layer owns found through a per-module index, and the adapted workload (`model.lora` / `model.frozen`), plain
-training's input casts and FSDP1's autograd view remembered per workload (`workload.model.derived`). Each must
-be what working it out afresh gives."""
+"""Workloads made once and shared by a sweep's points, each what working it out afresh gives: a Hugging Face
+config's workload (by the config's text) and a tensor-parallel rank's (by its dimensions), as
+`build_transformer`'s are; LoRA, QLoRA and frozen workloads (`model.lora` / `model.frozen`), plain training's
+input casts and FSDP1's autograd view, remembered per workload (`workload.model.derived`); and the weight a
+kernel's layer owns, found through a per-module index."""
 
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -83,3 +86,40 @@ def test_adaptations_of_one_workload_are_kept_apart():
     qlora = parse_scenario(_data({"lora": QLORA}, {})).workload
     assert lora is not qlora and lora != qlora
     assert any(p.dtype == "uint8" for p in qlora.params) and not any(p.dtype == "uint8" for p in lora.params)
+
+
+HF = Path(__file__).parents[1] / "scenarios" / "hf"
+
+
+def _hf_scenario(config: Path, micro_batch: int = 1) -> dict:
+    return {"model": {"hf_config": str(config)}, "training": {"micro_batch": micro_batch, "seq_len": 256},
+            "hardware": {"profile": "h100-sxm", "gpus_per_node": 8}}
+
+
+def test_a_hugging_face_config_is_built_once_per_text_and_arguments(tmp_path):
+    """The same config and batch: the same workload object; another batch, or the file rewritten with other
+    text, a workload of its own, equal to one built afresh."""
+    config = tmp_path / "config.json"
+    data = json.loads((HF / "mixtral-8x7b.json").read_text())
+    config.write_text(json.dumps(data))
+    first = parse_scenario(_hf_scenario(config)).workload
+    assert parse_scenario(_hf_scenario(config)).workload is first
+    assert parse_scenario(_hf_scenario(config, micro_batch=2)).workload is not first
+    config.write_text(json.dumps(data | {"num_hidden_layers": 2}))
+    smaller = parse_scenario(_hf_scenario(config)).workload
+    assert sum(m.is_block for m in smaller.modules) == 2 < sum(m.is_block for m in first.modules)
+    from fsdp_sim.workload.hf_config import _built
+    _built.cache_clear()
+    assert parse_scenario(_hf_scenario(config)).workload == smaller
+
+
+def test_a_tensor_parallel_rank_s_workload_is_built_once():
+    data = {"model": "llama3-8b", "training": {"micro_batch": 1, "seq_len": 512},
+            "hardware": {"profile": "h100-sxm", "gpus_per_node": 8}, "parallelism": {"tp": 2}}
+    first = parse_scenario(copy.deepcopy(data))
+    assert parse_scenario(copy.deepcopy(data)).workload is first.workload
+    from fsdp_sim.workload.tensor_parallel import build_tp_transformer
+    build_tp_transformer.cache_clear()
+    again = parse_scenario(copy.deepcopy(data))
+    assert again.workload is not first.workload and again.workload == first.workload
+    assert simulate(again).to_dict() == simulate(first).to_dict()
