@@ -123,3 +123,18 @@ def test_a_tensor_parallel_rank_s_workload_is_built_once():
     again = parse_scenario(copy.deepcopy(data))
     assert again.workload is not first.workload and again.workload == first.workload
     assert simulate(again).to_dict() == simulate(first).to_dict()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_alike_blocks_share_one_kernel_tuple_after_every_transformation(case):
+    """Pricing and checkpoint plans find a module's kernels by the tuple's identity first: LoRA, QLoRA and
+    freezing (and the views the runtimes take of them: FSDP1's autograd view, plain training's input casts)
+    leave every set of equal tuples one object, as the builders make them."""
+    from fsdp_sim.workload.lora import autograd_view, peft_input_casts
+
+    workload = parse_scenario(copy.deepcopy(CASES[case])).workload
+    trained = frozenset(p.name for p in workload.params if p.trainable)
+    views = [workload, peft_input_casts(workload, 4), autograd_view(workload, trained | {workload.params[1].name})]
+    for wl in views:
+        blocks = [m.kernels for m in wl.modules if m.is_block]
+        assert len({id(k) for k in blocks}) == len(set(blocks)) < len(blocks)

@@ -42,7 +42,7 @@ from fsdp_sim.workload.frozen import (LORA_A, LORA_B, LORA_DROPOUT, LORA_SCALE_A
                                       built_from, freeze_where, linear_weights, unkept_inputs,
                                       weight_index)
 from fsdp_sim.workload.kernels import elementwise, gemm
-from fsdp_sim.workload.model import Kernel, Module, Param, Workload
+from fsdp_sim.workload.model import Kernel, Module, Param, Workload, share_kernels
 from fsdp_sim.workload.transformer import BLOCK_RECIPE, recipe_activations, unsaved_references
 
 PEFT_INPUT_CAST = " peft input cast"  # `_cast_input_dtype`: x.to(lora_A.weight.dtype) (peft_input_casts)
@@ -132,8 +132,8 @@ def autograd_view(wl: Workload, requires_grad: frozenset[str], reads_input: froz
     if cfg is not None and cfg.quantize:
         view = quantized(view, cfg)
     times = {m.name: (m.fwd_time_s, m.bwd_time_s) for m in wl.modules}  # a measured module keeps its times
-    return replace(view, modules=tuple(replace(m, fwd_time_s=times[m.name][0], bwd_time_s=times[m.name][1])
-                                       if m.name in times else m for m in view.modules))
+    return share_kernels(replace(view, modules=tuple(replace(m, fwd_time_s=times[m.name][0], bwd_time_s=times[m.name][1])
+                                                     if m.name in times else m for m in view.modules)))
 
 
 def _linears(m: Module) -> dict[str, tuple[Kernel, Param]]:
@@ -258,7 +258,7 @@ def peft_input_casts(wl: Workload, adapter_bytes: int) -> Workload:
             if m.nosave_fwd_peak_bytes and built_from(m, recipe) else m.nosave_fwd_peak_bytes
         modules.append(replace(m, kernels=tuple(kernels), saved_bytes=saved, fwd_temp_bytes=temp, nosave_fwd_peak_bytes=nosave,
                                bwd_temp_bytes=bwd_temp, bwd_temp_parts=1 if bwd_temp != m.bwd_temp_bytes else m.bwd_temp_parts))
-    return replace(wl, modules=tuple(modules))
+    return share_kernels(replace(wl, modules=tuple(modules)))
 
 
 def _quantized(m: Module, cfg: LoraConfig, p: int) -> Module:
@@ -323,7 +323,7 @@ def adapt_workload(wl: Workload, keys: dict) -> Workload:
     elif "frozen_dtype" in keys and "lora" not in keys:
         raise ScenarioError("model.frozen_dtype: only with model.frozen or model.lora "
                             "(it is the frozen parameters' dtype)")
-    return wl
+    return share_kernels(wl)
 
 
 def _names(where: str, value) -> tuple[str, ...]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 
@@ -219,3 +219,14 @@ def derived(workload: Workload, key: Any, derive: Callable[[], Any]) -> Any:
     if key not in found:
         found[key] = derive()
     return found[key]
+
+
+def share_kernels(workload: Workload) -> Workload:
+    """`workload` with equal kernel tuples made one object. What a module's kernels cost and how it is
+    checkpointed is worked out once per tuple, found by its identity (`ComputeCosts.times`, checkpoint plans)
+    and else by its value, whose hash is every field of every kernel: the builders share one tuple among
+    alike blocks, and a transformation that makes each block's anew (LoRA, freezing) gives them one again."""
+    seen: dict[tuple, tuple] = {}
+    modules = tuple(m if (kernels := seen.setdefault(m.kernels, m.kernels)) is m.kernels else replace(m, kernels=kernels)
+                    for m in workload.modules)
+    return replace(workload, modules=modules)
