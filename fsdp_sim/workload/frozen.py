@@ -197,8 +197,8 @@ def _weight_trainable(kernel: str, names: list[str], weights: dict[str, list[str
     """Whether the layer a kernel runs has a trainable weight (`<...>.<kernel>.weight`, or the module's only
     parameter for a one-Linear module such as the head); unknown weights count as trainable. `weights`:
     `weight_index(names)`."""
-    weights = linear_weights(kernel, weights) or (names if len(names) == 1 else [])
-    return any(trainable[n] for n in weights) if weights else True
+    owned = linear_weights(kernel, weights) or (names if len(names) == 1 else [])
+    return any(trainable[n] for n in owned) if owned else True
 
 
 def weight_index(names: list[str]) -> dict[str, list[str]]:
