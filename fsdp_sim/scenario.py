@@ -409,16 +409,17 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     workload = apply_loss(workload, loss, batch=micro_batch, seq=seq_len)  # workload/loss.py
     if adaptation:  # a sweep's points of one model, batch and sequence share the workload: adapt it once (read-only)
         workload = derived(workload, ("adapted", repr(adaptation)), lambda: adapt_workload(workload, adaptation))
-    if options.torch_compile:  # Inductor's kernels and saved set, or why not (workload/compiled_block.py)
-        workload = compiled_workload(workload, tp.size, checkpoint=ac, adapted=bool(adaptation),
-                                     torch_version=options.torch_version, fsdp2=version == 2)
+    if options.torch_compile:  # Inductor's kernels and saved set, or why not (workload/compiled_block.py): once a workload
+        workload = derived(workload, ("compiled", tp.size, ac, bool(adaptation), options.torch_version, version == 2),
+                           lambda: compiled_workload(workload, tp.size, checkpoint=ac, adapted=bool(adaptation),
+                                                     torch_version=options.torch_version, fsdp2=version == 2))
     _check_scale(workload, grad_accumulation)
     if "trace" in compute:
         trace = Path(get_key("compute", compute, "trace", str))
         workload = apply_profile_trace(workload, trace if trace.is_absolute() else base / trace)
         _check_trace_times(workload, gpu.matmul_peak(param_dtype, options.allow_tf32), gpu.name)
     float8 = parse_float8(compute.get("float8"), gpu, reshard)  # torchao float8 Linears (workload/float8.py)
-    workload, float8_weights = float8_workload(workload, float8)
+    workload, float8_weights = derived(workload, ("float8", float8), lambda: float8_workload(workload, float8))
     units = list(derived(workload, ("units", wrap, k, min_params),  # a list of its own: Scenario.units
                           lambda: tuple(make_units(workload, wrap, k=k, min_params=min_params))))
     output_dtype, unit_output_dtype = _output_dtype(mp.get("output_dtype"), units, dtypes)

@@ -138,3 +138,21 @@ def test_alike_blocks_share_one_kernel_tuple_after_every_transformation(case):
     for wl in views:
         blocks = [m.kernels for m in wl.modules if m.is_block]
         assert len({id(k) for k in blocks}) == len(set(blocks)) < len(blocks)
+
+
+@pytest.mark.parametrize("name", ["llama3-8b-8xh100-compile", "llama3-8b-8xh100-fp8"])
+def test_compiled_and_float8_workloads_are_made_once_per_workload(name):
+    """Inductor's blocks (`compute.torch_compile`) and torchao's Float8Linears (`compute.float8`) are made once
+    for a workload: the second point shares them, a process that remembers nothing gives the same figures."""
+    from fsdp_sim.datafile import read_data
+
+    data = read_data(Path(__file__).parents[1] / "scenarios" / f"{name}.yaml", "scenario")
+    model._BY_WORKLOAD.clear()
+    first = parse_scenario(copy.deepcopy(data))
+    assert parse_scenario(copy.deepcopy(data)).workload is first.workload
+    model._BY_WORKLOAD.clear()
+    again = parse_scenario(copy.deepcopy(data))
+    assert again.workload is not first.workload and again.workload == first.workload
+    assert again.settings.float8_weights == first.settings.float8_weights
+    assert bool(first.settings.float8_weights) == name.endswith("fp8")
+    assert simulate(again).to_dict() == simulate(first).to_dict()
