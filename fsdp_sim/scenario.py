@@ -406,7 +406,9 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
     workload = _workload(model, micro_batch=micro_batch, seq_len=seq_len, act_dtype=param_dtype, base=base, tp=tp,
                          norm_impl=rms_norm_kernel(options.torch_version))
     loss = get_key("training", training, "loss", str, "torch", choices=LOSSES)
-    workload = apply_loss(workload, loss, batch=micro_batch, seq=seq_len)  # workload/loss.py
+    # workload/loss.py: the head and loss as `loss` runs them, once per workload
+    workload = derived(workload, ("loss", loss, micro_batch, seq_len),
+                       lambda: apply_loss(workload, loss, batch=micro_batch, seq=seq_len))
     if adaptation:  # a sweep's points of one model, batch and sequence share the workload: adapt it once (read-only)
         workload = derived(workload, ("adapted", repr(adaptation)), lambda: adapt_workload(workload, adaptation))
     if options.torch_compile:  # Inductor's kernels and saved set, or why not (workload/compiled_block.py): once a workload

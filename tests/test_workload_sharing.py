@@ -140,10 +140,11 @@ def test_alike_blocks_share_one_kernel_tuple_after_every_transformation(case):
         assert len({id(k) for k in blocks}) == len(set(blocks)) < len(blocks)
 
 
-@pytest.mark.parametrize("name", ["llama3-8b-8xh100-compile", "llama3-8b-8xh100-fp8"])
-def test_compiled_and_float8_workloads_are_made_once_per_workload(name):
-    """Inductor's blocks (`compute.torch_compile`) and torchao's Float8Linears (`compute.float8`) are made once
-    for a workload: the second point shares them, a process that remembers nothing gives the same figures."""
+@pytest.mark.parametrize("name", ["llama3-8b-8xh100-compile", "llama3-8b-8xh100-fp8", "llama3-8b-8xh100-liger-loss"])
+def test_compiled_float8_and_loss_workloads_are_made_once_per_workload(name):
+    """Inductor's blocks (`compute.torch_compile`), torchao's Float8Linears (`compute.float8`) and a head and
+    loss other than torch's (`training.loss`) are made once for a workload: the second point shares them, a
+    process that remembers nothing gives the same figures."""
     from fsdp_sim.datafile import read_data
 
     data = read_data(Path(__file__).parents[1] / "scenarios" / f"{name}.yaml", "scenario")
