@@ -411,7 +411,7 @@ def parse_scenario(data: Any, name: str = "scenario", base: Path | None = None) 
                        lambda: apply_loss(workload, loss, batch=micro_batch, seq=seq_len))
     if adaptation:  # a sweep's points of one model, batch and sequence share the workload: adapt it once (read-only)
         workload = derived(workload, ("adapted", repr(adaptation)), lambda: adapt_workload(workload, adaptation))
-    if options.torch_compile:  # Inductor's kernels and saved set, or why not (workload/compiled_block.py): once a workload
+    if options.torch_compile:  # Inductor's kernels and saved set, or why not (workload/compiled_block.py), once per workload
         workload = derived(workload, ("compiled", tp.size, ac, bool(adaptation), options.torch_version, version == 2),
                            lambda: compiled_workload(workload, tp.size, checkpoint=ac, adapted=bool(adaptation),
                                                      torch_version=options.torch_version, fsdp2=version == 2))

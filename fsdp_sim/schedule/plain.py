@@ -100,7 +100,7 @@ class PlainRuntime(AutogradStep):
             widened = fp32_residual_stream(self.wl, s)
             if widened is self.wl and s.storage_bytes != s.param_bytes:  # activations in the compute dtype
                 # fp32 adapters cast their input; once per workload (a sweep's points share it, read-only)
-                widened = derived(widened, ("peft input casts", s.storage_bytes),
+                widened = derived(self.wl, ("peft input casts", s.storage_bytes),
                                   lambda: peft_input_casts(self.wl, s.storage_bytes))
             self.wl = widened
         self.grads: dict[str, Buffer] = {}  # .grad, by parameter, kept across micro-batches
